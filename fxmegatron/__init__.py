@@ -1,0 +1,8 @@
+"""fxmegatron: Megatron-LM's parallelism as a compiler on torch.fx."""
+from .api import ParallelModel, parallelize
+from .errors import CaptureError, FxMegatronError, MeshError, ShardingError
+from .placement import Partial, Replicate, Shard
+
+__all__ = ["parallelize", "ParallelModel", "Replicate", "Shard", "Partial",
+           "FxMegatronError", "CaptureError", "ShardingError", "MeshError"]
+__version__ = "0.1.0"

@@ -1,0 +1,191 @@
+"""Capture: an unmodified nn.Module + an example batch -> an ATen fx.GraphModule.
+
+torch.export (non-strict) gives the training IR with the loss inside the
+graph. We "unlift" it: parameters, buffers and constants become ``get_attr``
+nodes named by their module path, so the graph reads like the model and the
+only placeholders are the batch. Tied parameters (one tensor under two names)
+become one ``get_attr``. Shapes are in ``node.meta["val"]``, module paths in
+``node.meta["nn_module_stack"]``. Nothing is materialised: a model built on
+the meta device is captured without allocating its weights.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind, OutputKind
+
+from .errors import CaptureError
+
+
+class _LossOnly(nn.Module):
+    """Keeps only the loss as the graph's output (HF models return a ModelOutput)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return out
+        loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            loss = out[0]
+        if loss is None:
+            raise CaptureError(
+                f"{type(self.model).__name__}.forward returned {type(out).__name__} with no loss: "
+                "fxmegatron trains a model whose forward(batch) returns the loss "
+                "(a scalar tensor, or an output with a .loss field, e.g. HF models given labels=)")
+        return loss
+
+
+_PREFIX = "model."
+
+
+@dataclass
+class Captured:
+    gm: fx.GraphModule                 # unlifted graph; placeholders = flattened batch
+    params: Dict[str, torch.Tensor]     # canonical name -> the model's parameter
+    buffers: Dict[str, torch.Tensor]    # name -> buffer or lifted constant
+    aliases: Dict[str, str]             # tied name -> canonical name
+    in_spec: Any                        # pytree spec of (args, kwargs)
+    device: torch.device                # where the example was captured
+    model_cls: str = ""
+    input_names: List[str] = field(default_factory=list)
+
+
+def batch_args(batch):
+    """(args, kwargs) from a batch given as a tuple, a dict or one tensor."""
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _user_location(exc: BaseException) -> str:
+    """The innermost frame of the traceback that is the user's code (not torch's)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(torch_dir) and not f.filename.startswith(here)]
+    text = str(exc)
+    # export reports the user frame of a data-dependent guard in its message
+    for line in text.splitlines():
+        if "File " in line and ", line " in line and torch_dir not in line:
+            return line.strip()
+    if frames:
+        f = frames[-1]
+        return f'File "{f.filename}", line {f.lineno}, in {f.name}: {f.line}'
+    return "(location unknown)"
+
+
+def _tied_names(model: nn.Module) -> Dict[str, str]:
+    first: Dict[int, str] = {}
+    alias: Dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        alias[name] = first.setdefault(id(p), name)
+    return alias
+
+
+def capture(model: nn.Module, example_batch) -> Captured:
+    args, kwargs = batch_args(example_batch)
+    model_dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if model_dev.type == "meta":
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    try:
+        ep = torch.export.export(_LossOnly(model), args, kwargs, strict=False)
+    except CaptureError:
+        raise
+    except Exception as exc:  # export raises many types; we add the place and re-raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(
+            f"could not trace {type(model).__name__}.forward to a graph at {_user_location(exc)}: "
+            f"{type(exc).__name__}: {first}. fxmegatron needs a forward without data-dependent "
+            "Python control flow (use torch.where / torch.cond instead of `if tensor:`).") from exc
+    return _unlift(ep, model, args, kwargs, model_dev)
+
+
+def _unlift(ep, model, args, kwargs, device) -> Captured:
+    alias = _tied_names(model)
+    named_params = dict(model.named_parameters(remove_duplicate=False))
+    named_bufs = dict(model.named_buffers(remove_duplicate=False))
+    sig = ep.graph_signature
+    spec_of = {s.arg.name: s for s in sig.input_specs}
+    for o in sig.output_specs:
+        if o.kind not in (OutputKind.USER_OUTPUT,):
+            raise CaptureError(f"forward mutates {o.target!r} ({o.kind.name}): fxmegatron does not "
+                               "support in-place updates of buffers/inputs during training")
+
+    src = ep.graph_module
+    graph = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    root: Dict[str, Any] = {}
+    params: Dict[str, torch.Tensor] = {}
+    buffers: Dict[str, torch.Tensor] = {}
+    input_names: List[str] = []
+    for node in src.graph.nodes:
+        if node.op == "placeholder":
+            s = spec_of[node.name]
+            if s.kind == InputKind.USER_INPUT:
+                new = graph.placeholder(node.name)
+                input_names.append(node.name)
+            elif s.kind == InputKind.PARAMETER:
+                name = alias[s.target[len(_PREFIX):]]
+                params[name] = named_params[name]
+                root[name] = named_params[name]
+                new = graph.get_attr(name)
+            elif s.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                if s.kind == InputKind.BUFFER:
+                    name = s.target[len(_PREFIX):]
+                    val = named_bufs[name]
+                else:
+                    name = "_constants." + s.target.replace(".", "_")
+                    val = ep.constants[s.target]
+                buffers[name] = val
+                root[name] = val
+                new = graph.get_attr(name)
+            else:
+                raise CaptureError(f"unsupported graph input {node.name} of kind {s.kind.name}")
+            new.meta = dict(node.meta)
+        else:
+            new = graph.node_copy(node, lambda n: env[n])
+            if node.op == "get_attr":
+                root[node.target] = getattr(src, node.target)
+        env[node] = new
+    gm = fx.GraphModule(root, graph)
+    in_spec = pytree.tree_flatten((args, kwargs))[1]
+    return Captured(gm, params, buffers, {k: v for k, v in alias.items() if k != v}, in_spec,
+                    device, type(model).__name__, input_names)
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node was traced in, as a dotted path (``""`` for the top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    return path[len(_PREFIX):] if path.startswith(_PREFIX) else ("" if path == "model" else path)
+
+
+def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Point device constants baked in at capture (arange(device=...), ...) at ``device``."""
+    device = torch.device(device)
+
+    def fix(a):
+        return device if isinstance(a, torch.device) and a != device else a
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = fx.node.map_aggregate(node.args, fix)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+    gm.recompile()
+    return gm

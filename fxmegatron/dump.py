@@ -1,0 +1,81 @@
+"""Write a transformed graph as readable files: code, placements, collectives, decisions."""
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import torch
+import torch.fx as fx
+
+from .capture import module_path
+from .collectives import COLLECTIVES
+from .vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
+
+
+def collective_nodes(gm: fx.GraphModule):
+    """(node, short name) for every node that communicates, in graph order."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in COLLECTIVES:
+            out.append((n, COLLECTIVES[n.target][0]))
+        elif n.target in VOCAB_PARALLEL_COLLECTIVES:
+            out.append((n, "vocab_parallel_cross_entropy[" + ",".join(VOCAB_PARALLEL_COLLECTIVES[n.target]) + "]"))
+    return out
+
+
+def _shape(v):
+    if isinstance(v, torch.Tensor):
+        return "x".join(str(s) for s in v.shape) or "scalar"
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_shape(x) for x in v) + ")"
+    return ""
+
+
+def _plc(p):
+    if isinstance(p, tuple):
+        return "(" + ", ".join(str(x) for x in p) + ")"
+    return "" if p is None else str(p)
+
+
+def _target(n):
+    t = n.target
+    return getattr(t, "__name__", str(t)) if callable(t) else str(t)
+
+
+def placement_table(gm: fx.GraphModule) -> str:
+    rows = [("node", "op", "placement", "local shape", "module", "note")]
+    for n in gm.graph.nodes:
+        if n.op in ("output",):
+            continue
+        note = n.meta.get("tp_decision") or n.meta.get("tp_note") or ""
+        rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(n.meta.get("placement")),
+                     _shape(n.meta.get("val")), module_path(n), note))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5] for r in rows) + "\n"
+
+
+def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "graph.py"), "w") as f:
+        f.write("# Transformed graph of one rank: parameters are this rank's local shards.\n")
+        f.write("# Collectives: copy_to_tp (f), reduce_from_tp (g), vocab_parallel_cross_entropy.\n")
+        f.write(gm.code)
+    with open(os.path.join(directory, "placements.txt"), "w") as f:
+        f.write("# R = replicated, S(d) = split along dim d, P(sum) = partial sums (reduced by g)\n")
+        f.write(placement_table(gm))
+    with open(os.path.join(directory, "collectives.txt"), "w") as f:
+        for n, kind in collective_nodes(gm):
+            f.write(f"{n.name:32s} {kind:48s} {module_path(n)}\n")
+    with open(os.path.join(directory, "plan.txt"), "w") as f:
+        for k, v in info.items():
+            f.write(f"{k}: {v}\n")
+        f.write("\n# decisions (matmuls, embeddings, losses)\n")
+        for n in gm.graph.nodes:
+            if "tp_decision" in n.meta:
+                f.write(f"{n.name:24s} {module_path(n):40s} {n.meta['tp_decision']}\n")
+        f.write("\n# parameters\n")
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and "placement" in n.meta:
+                f.write(f"{n.target:56s} {_plc(n.meta['placement']):20s} {_shape(n.meta.get('val'))}\n")

@@ -1,0 +1,70 @@
+"""Each rank creates only its own shards.
+
+Sources, in order: a given full state dict (sliced per tensor, so a
+``torch.load(..., mmap=True)`` dict is read lazily), the model's own weights
+when they are real, or direct initialisation of the shard for a model built on
+the meta device. Direct initialisation draws N(0, 0.02) for matrices (in row
+chunks seeded by (seed, name, chunk), so a shard holds exactly the values the
+full tensor would, whatever the layout), zeros for 1-D ``*bias`` and ones for
+other 1-D parameters (norm weights): GPT-2/Megatron's initialisation.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Mapping, Optional
+
+import torch
+
+from .placement import Placement, Shard, shard_slices, take_shard
+
+_CHUNK = 1 << 20
+
+
+def _seed(seed: int, name: str, chunk: int) -> int:
+    h = hashlib.sha256(f"{seed}/{name}/{chunk}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def init_shard(name: str, shape, dtype, plc: Placement, rank: int, world: int,
+               seed: int = 0, std: float = 0.02) -> torch.Tensor:
+    """The values rank ``rank`` holds of a freshly initialised parameter."""
+    shape = list(shape)
+    if len(shape) < 2:
+        full = torch.zeros(shape, dtype=dtype) if name.endswith("bias") else torch.ones(shape, dtype=dtype)
+        return take_shard(full, plc, rank, world).clone()
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    rows_per_chunk = max(1, _CHUNK // row)
+    if isinstance(plc, Shard) and plc.dim == 0:
+        wanted = shard_slices(shape[0], plc, rank, world)
+    else:
+        wanted = [(0, shape[0])]
+    pieces = []
+    for start, n in wanted:
+        c0, c1 = start // rows_per_chunk, (start + n - 1) // rows_per_chunk
+        rows = []
+        for c in range(c0, c1 + 1):
+            g = torch.Generator().manual_seed(_seed(seed, name, c))
+            lo = c * rows_per_chunk
+            hi = min(shape[0], lo + rows_per_chunk)
+            chunk = torch.randn([hi - lo] + shape[1:], generator=g, dtype=torch.float32) * std
+            rows.append(chunk[max(start, lo) - lo: min(start + n, hi) - lo])
+        pieces.append(torch.cat(rows, 0))
+    out = torch.cat(pieces, 0).to(dtype)
+    if isinstance(plc, Shard) and plc.dim != 0:
+        out = take_shard(out, plc, rank, world).contiguous()
+    return out
+
+
+def local_parameter(name: str, model_tensor: torch.Tensor, plc: Placement, rank: int, world: int,
+                    device, state_dict: Optional[Mapping[str, torch.Tensor]] = None,
+                    seed: int = 0) -> torch.nn.Parameter:
+    if state_dict is not None and name in state_dict:
+        local = take_shard(state_dict[name], plc, rank, world)
+    elif model_tensor.device.type != "meta":
+        local = take_shard(model_tensor.detach(), plc, rank, world)
+    else:
+        local = init_shard(name, model_tensor.shape, model_tensor.dtype, plc, rank, world, seed)
+    local = local.to(device=device, dtype=model_tensor.dtype, copy=True).contiguous()
+    return torch.nn.Parameter(local, requires_grad=model_tensor.requires_grad)

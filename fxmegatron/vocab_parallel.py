@@ -1,0 +1,50 @@
+"""Vocab-parallel embedding and cross-entropy (Megatron 2019, section 3).
+
+Both take the rank's slice of the vocabulary ``[vocab_start, vocab_start + V/t)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .collectives import all_reduce_max, reduce_from_tp
+
+
+def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int) -> Tensor:
+    """Look up the ids this rank owns; zeros elsewhere. The result is a partial
+    sum over ranks: the graph reduces it with ``reduce_from_tp`` (g)."""
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int,
+                                 group_name: str, reduction: int = 1,
+                                 ignore_index: int = -100) -> Tensor:
+    """Cross-entropy over logits split along the class (last) dim.
+
+    Three all-reduces of ``N`` numbers instead of gathering ``N x V`` logits:
+    the max (for stability), the sum of exponentials and the target's logit.
+    ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
+    """
+    shift = all_reduce_max(logits.detach().amax(-1), group_name)
+    z = logits - shift.unsqueeze(-1)
+    sum_exp = reduce_from_tp(z.exp().sum(-1), group_name)
+    local = target - vocab_start
+    inside = (local >= 0) & (local < logits.shape[-1])
+    picked = z.gather(-1, local.masked_fill(~inside, 0).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_tp(picked.masked_fill(~inside, 0.0), group_name)
+    valid = target != ignore_index
+    loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+    if reduction == 0:
+        return loss
+    if reduction == 2:
+        return loss.sum()
+    return loss.sum() / valid.sum().to(loss.dtype)
+
+
+VOCAB_PARALLEL_COLLECTIVES = {
+    vocab_parallel_cross_entropy: ["max", "g", "g"],
+}

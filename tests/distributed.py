@@ -1,0 +1,38 @@
+"""Run a function on N gloo processes and collect what each returns."""
+import os
+import pickle
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world, fn, args, tmp):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    try:
+        result = ("ok", fn(rank, world, *args))
+    except BaseException as exc:  # report to the parent, which re-raises
+        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(f"{tmp}/result{rank}", "wb") as f:
+        pickle.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run_distributed(fn, world, *args):
+    """``fn(rank, world, *args)`` on ``world`` gloo processes; returns the list of results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world, fn, args, tmp), nprocs=world, join=True,
+                           start_method="spawn")
+        results = []
+        for r in range(world):
+            with open(f"{tmp}/result{r}", "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise AssertionError(value)
+            results.append(value)
+    return results
