@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .placement import Placement, Shard, shard_slices, take_shard
+from .placement import Placement, Shard, local_shape, shard_slices, take_shard
 
 _CHUNK = 1 << 20
 
@@ -60,6 +60,10 @@ def init_shard(name: str, shape, dtype, plc: Placement, rank: int, world: int,
 def local_parameter(name: str, model_tensor: torch.Tensor, plc: Placement, rank: int, world: int,
                     device, state_dict: Optional[Mapping[str, torch.Tensor]] = None,
                     seed: int = 0) -> torch.nn.Parameter:
+    if torch.device(device).type == "meta":   # planning only: shapes, no values
+        shape = local_shape(model_tensor.shape, plc, world)
+        return torch.nn.Parameter(torch.empty(shape, dtype=model_tensor.dtype, device="meta"),
+                                  requires_grad=model_tensor.requires_grad)
     if state_dict is not None and name in state_dict:
         local = take_shard(state_dict[name], plc, rank, world)
     elif model_tensor.device.type != "meta":

@@ -501,7 +501,7 @@ class _Planner:
                 if p.blocks is not None:
                     self.demote(origins, node, "reshapes a dim made of fused blocks")
             if outs[e] % self.tp:
-                owner = ", ".join(sorted(m.name for m in origins))
+                owner = ", ".join(sorted(module_path(m) or m.name for m in origins))
                 raise ShardingError(
                     f"tp={self.tp} does not divide dim {e} (size {outs[e]}) of the view {ins} -> {outs} "
                     f"at {_where(node)}; that dim carries the split features of {owner} "

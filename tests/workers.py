@@ -1,0 +1,53 @@
+"""Functions run on each gloo process by the multi-process tests (importable by spawn)."""
+import copy
+
+import torch
+
+from tests import models
+
+
+def rel_err(a, b, scale=0.0):
+    """max |a-b| relative to max |b|. ``scale`` (1% of the largest gradient of the model) is a
+    floor for tensors whose gradient is zero in exact arithmetic, such as a key bias (softmax
+    ignores a per-query shift), where any relative error is rounding noise over rounding noise."""
+    return ((a - b).abs().max() / max(b.abs().max().item(), scale, 1e-30)).item()
+
+
+def tp_mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+
+
+def tp_parity(rank, world, names, steps=3, parallel_kwargs=None):
+    """For each model: loss and gradients of the first step, then ``steps`` AdamW losses,
+    for the unmodified model and fxmegatron at tp=world."""
+    import fxmegatron
+
+    mesh = tp_mesh(world)
+    out = {}
+    for name in names:
+        model = models.build(name)
+        ref = copy.deepcopy(model)
+        pm = fxmegatron.parallelize(model, mesh, models.batch(name), **(parallel_kwargs or {}))
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        losses_ref, losses, grad_err = [], [], {}
+        for step in range(steps):
+            b = models.batch(name, seed=step)
+            lr_ = models.call(ref, b)
+            lr_.backward()
+            lp = pm(b)
+            lp.backward()
+            losses_ref.append(lr_.item())
+            losses.append(lp.item())
+            if step == 0:
+                full = pm.full_grads()
+                scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
+                for n, p in ref.named_parameters():
+                    grad_err[n] = rel_err(full[n], p.grad, scale) if n in full else float("inf")
+            opt_ref.step(); opt_ref.zero_grad()
+            opt.step(); opt.zero_grad()
+        out[name] = {"losses_ref": losses_ref, "losses": losses, "grad_err": grad_err,
+                     "n_local": sum(p.numel() for p in pm.parameters()),
+                     "n_full": sum(p.numel() for p in ref.parameters())}
+    return out
