@@ -96,4 +96,4 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))

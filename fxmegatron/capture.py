@@ -106,10 +106,13 @@ def capture(model: nn.Module, example_batch) -> Captured:
         raise
     except Exception as exc:  # export raises many types; we add the place and re-raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = ""
+        if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+            hint = (" fxmegatron needs a forward without data-dependent Python control flow "
+                    "(use torch.where / torch.cond instead of `if tensor:`).")
         raise CaptureError(
             f"could not trace {type(model).__name__}.forward to a graph at {_user_location(exc)}: "
-            f"{type(exc).__name__}: {first}. fxmegatron needs a forward without data-dependent "
-            "Python control flow (use torch.where / torch.cond instead of `if tensor:`).") from exc
+            f"{type(exc).__name__}: {first}.{hint}") from exc
     return _unlift(ep, model, args, kwargs, model_dev)
 
 
@@ -139,6 +142,9 @@ def _unlift(ep, model, args, kwargs, device) -> Captured:
                 input_names.append(node.name)
             elif s.kind == InputKind.PARAMETER:
                 name = alias[s.target[len(_PREFIX):]]
+                if name in params:      # a tied weight: one node for the one tensor
+                    env[node] = next(n for n in graph.nodes if n.op == "get_attr" and n.target == name)
+                    continue
                 params[name] = named_params[name]
                 root[name] = named_params[name]
                 new = graph.get_attr(name)

@@ -82,7 +82,7 @@ def test_untraceable_forward_names_the_line():
         fxmegatron.parallelize(DataDependent(), None, (torch.randn(2, 8),))
     msg = str(err.value)
     assert "test_errors.py" in msg and f"line {line}" in msg, msg
-    assert "DataDependent.forward" in msg
+    assert "DataDependent.forward" in msg and "torch.where" in msg
 
 
 def test_forward_without_loss():
