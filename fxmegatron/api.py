@@ -110,19 +110,22 @@ class ParallelModel(nn.Module):
     def dump(self, directory: str) -> None:
         """Write this rank's transformed graph, placements, collectives and decisions."""
         info = {"tp": f"{self.tp_size} (rank {self.tp_rank})",
+                "sequence parallel": str(self._plan.sequence_parallel),
                 "planning attempts": str(self._plan.attempts)}
         for name, why in self._plan.replicated_params.items():
             info[f"kept replicated: {name}"] = why
         write_dump(f"{directory}/rank{dist.get_rank() if dist.is_initialized() else 0}", self.graph_module, info)
 
 
-def parallelize(model: nn.Module, mesh, example_batch, *, state_dict: Optional[Mapping] = None,
-                seed: int = 0, verbose: bool = False) -> ParallelModel:
+def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: bool = False,
+                state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's tensor-parallel piece.
 
     ``mesh``: a torch DeviceMesh with a "tp" dim (or None: one process, no split).
     ``example_batch``: what ``model`` is called with (tuple -> positional, dict ->
-    keyword); its forward must return the loss. Weights come from ``state_dict``,
+    keyword); its forward must return the loss. ``sequence_parallel``: norms, dropout
+    and residual adds run on sequence shards between tensor-parallel regions (g becomes
+    a reduce-scatter, f an all-gather). Weights come from ``state_dict``,
     else from the model, else (meta model) are initialised shard by shard.
     """
     tp = _tp_group(mesh)
@@ -133,7 +136,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, state_dict: Optional[M
     timings["capture_s"] = time.perf_counter() - t0
     gm = cap.gm
     t0 = time.perf_counter()
-    plan = plan_tensor_parallel(gm, tp[0], cap.params.keys())
+    plan = plan_tensor_parallel(gm, tp[0], cap.params.keys(), sequence_parallel)
     apply_tensor_parallel(gm, plan, tp[1], tp[2])
     timings["tensor_parallel_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -42,6 +42,122 @@ def _(x, reduce_op, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _nccl_like(pg) -> bool:
+    return dist.get_backend(pg) != "gloo"
+
+
+@torch.library.custom_op("fxmegatron::all_gather", mutates_args=())
+def all_gather(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
+    pg = _group(group_name)
+    if pg is None or world == 1:
+        return x.contiguous().clone()
+    moved = x.movedim(dim, 0).contiguous()
+    if _nccl_like(pg):
+        out = moved.new_empty((world * moved.shape[0],) + moved.shape[1:])
+        dist.all_gather_into_tensor(out, moved, group=pg)
+    else:
+        parts = [torch.empty_like(moved) for _ in range(world)]
+        dist.all_gather(parts, moved, group=pg)
+        out = torch.cat(parts, 0)
+    return out.movedim(0, dim).contiguous()
+
+
+@all_gather.register_fake
+def _(x, dim, world, group_name):
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("fxmegatron::reduce_scatter", mutates_args=())
+def reduce_scatter(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
+    pg = _group(group_name)
+    if pg is None or world == 1:
+        return x.contiguous().clone()
+    moved = x.movedim(dim, 0).contiguous()
+    n = moved.shape[0] // world
+    if _nccl_like(pg):
+        out = moved.new_empty((n,) + moved.shape[1:])
+        dist.reduce_scatter_tensor(out, moved, group=pg)
+    else:   # gloo has no reduce-scatter: all-reduce, keep our slice (CPU tests only)
+        dist.all_reduce(moved, group=pg)
+        out = moved.narrow(0, dist.get_rank(pg) * n, n)
+    return out.movedim(0, dim).contiguous()
+
+
+@reduce_scatter.register_fake
+def _(x, dim, world, group_name):
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, world, group_name):
+        ctx.args = (dim, world, group_name)
+        return all_gather(x, dim, world, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, *ctx.args), None, None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, world, group_name):
+        ctx.args = (dim, world, group_name)
+        return reduce_scatter(x, dim, world, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, *ctx.args), None, None, None
+
+
+class _SplitSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, rank, world, group_name):
+        ctx.args = (dim, world, group_name)
+        return local_shard(x, dim, rank, world).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, *ctx.args), None, None, None, None
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, rank, world, group_name):
+        ctx.args = (dim, rank, world)
+        return all_gather(x, dim, world, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return local_shard(grad, *ctx.args).contiguous(), None, None, None, None
+
+
+def all_gather_seq(x: Tensor, dim: int, rank: int, world: int, group_name: str) -> Tensor:
+    """Leave the sequence-split region into a replicated one: all-gather forward; the
+    gradient is whole on every rank, so backward keeps this rank's slice."""
+    return _AllGatherSeq.apply(x, dim, rank, world, group_name)
+
+
+def gather_seq(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
+    """Sequence parallel's f: all-gather the sequence forward, reduce-scatter backward."""
+    return _GatherSeq.apply(x, dim, world, group_name)
+
+
+def scatter_seq(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
+    """Sequence parallel's g: reduce-scatter along the sequence forward, all-gather backward."""
+    return _ScatterSeq.apply(x, dim, world, group_name)
+
+
+def split_seq(x: Tensor, dim: int, rank: int, world: int, group_name: str) -> Tensor:
+    """A replicated activation entering the sequence-split region: keep this rank's slice
+    forward, all-gather the gradient backward."""
+    return _SplitSeq.apply(x, dim, rank, world, group_name)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_name):
@@ -89,4 +205,8 @@ COLLECTIVES = {
     copy_to_tp: ("f", "identity forward, all-reduce(sum) backward"),
     reduce_from_tp: ("g", "all-reduce(sum) forward, identity backward"),
     all_reduce_max: ("max", "all-reduce(max) forward, no gradient"),
+    gather_seq: ("gather_seq", "all-gather(seq) forward, reduce-scatter backward"),
+    scatter_seq: ("scatter_seq", "reduce-scatter(seq) forward, all-gather backward"),
+    split_seq: ("split_seq", "local slice forward, all-gather backward"),
+    all_gather_seq: ("all_gather_seq", "all-gather(seq) forward, local slice backward"),
 }

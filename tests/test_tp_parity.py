@@ -1,5 +1,6 @@
-"""Tensor parallel on gloo (world 2 and 4): loss, gradients and three AdamW steps match
-the unmodified model for the bundled GPT, HF GPT-2 and HF Llama (GQA)."""
+"""Tensor parallel on gloo (world 2 and 4), with and without sequence parallelism: loss,
+gradients and three AdamW steps match the unmodified model for the bundled GPT, HF GPT-2
+and HF Llama (GQA)."""
 import pytest
 
 from tests.distributed import run_distributed
@@ -8,9 +9,11 @@ from tests.workers import tp_parity
 MODELS = ("gpt", "gpt2", "llama")
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[(2, False), (4, False), (2, True), (4, True)],
+                ids=["tp2", "tp4", "tp2-sp", "tp4-sp"])
 def results(request):
-    return request.param, run_distributed(tp_parity, request.param, MODELS)
+    world, sp = request.param
+    return world, run_distributed(tp_parity, world, MODELS, 3, {"sequence_parallel": sp})
 
 
 @pytest.mark.parametrize("name", MODELS)

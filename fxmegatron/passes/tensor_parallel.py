@@ -17,6 +17,13 @@ a replicated activation, ...) the column matmuls it came from are *demoted* to
 replicated, the reason is recorded, and propagation starts again. The loop
 ends at a fixed point: every attempt demotes something new or finishes.
 
+With ``sequence_parallel=True`` (Korthikanti et al. 2022) a partial sum that
+flows into norms, dropout and residual adds is reduce-scattered along the
+sequence (the second-to-last dim of [..., s, h] activations) instead of
+all-reduced, and those ops run on sequence shards; a sequence shard that reaches
+anything else (a column-parallel matmul, a view merging the sequence) is
+all-gathered there. Sequence shards are never demoted, only gathered.
+
 ``apply_tensor_parallel`` rewrites the graph from the plan: Megatron's f
 (``copy_to_tp``) where a replicated activation enters a split region, g
 (``reduce_from_tp``) where a partial sum must become whole, shape arguments of
@@ -33,7 +40,8 @@ import torch
 import torch.fx as fx
 
 from ..capture import module_path
-from ..collectives import copy_to_tp, local_shard, reduce_from_tp
+from ..collectives import (all_gather_seq, copy_to_tp, gather_seq, local_shard, reduce_from_tp,
+                           scatter_seq, split_seq)
 from ..errors import ShardingError
 from ..placement import Partial, Placement, R, Replicate, Shard
 from ..vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
@@ -50,6 +58,9 @@ _ELEMENTWISE_EXTRA = {aten.dropout, aten.to, aten._to_copy, aten.type_as, aten.m
 _SOFTMAX = {aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax}
 _REDUCE = {aten.sum, aten.mean, aten.amax, aten.amin}
 _NO_GRAD = {aten.detach, aten.lift_fresh_copy}
+
+
+SEQ = "<sequence>"   # origin marker of sequence shards: on conflict they are gathered
 
 
 class _Restart(Exception):
@@ -73,7 +84,13 @@ class TPPlan:
     f_edges: Dict[fx.Node, Set[fx.Node]] = field(default_factory=dict)
     slice_edges: Dict[Tuple[fx.Node, int], Set[fx.Node]] = field(default_factory=dict)
     arg_rewrites: Dict[fx.Node, tuple] = field(default_factory=dict)
+    scatter_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)
+    gather_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)       # into column matmuls
+    gather_full_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)  # anywhere else
+    split_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)
+    bias_after: Dict[fx.Node, fx.Node] = field(default_factory=dict)
     row_bias: Set[fx.Node] = field(default_factory=set)
+    sequence_parallel: bool = False
     attempts: int = 0
 
 
@@ -122,8 +139,9 @@ def _view_groups(ins, outs):
 
 
 class _Planner:
-    def __init__(self, gm: fx.GraphModule, tp: int, param_names: Set[str]):
-        self.gm, self.tp, self.param_names = gm, tp, param_names
+    def __init__(self, gm: fx.GraphModule, tp: int, param_names: Set[str], sequence_parallel=False):
+        self.gm, self.tp, self.param_names, self.sp = gm, tp, param_names, sequence_parallel
+        self.force_gather: Set[Tuple[fx.Node, fx.Node]] = set()
         self.demoted: Dict[fx.Node, str] = {}
         self.forced_rep: Dict[str, str] = {}
         self.blocks_req: Dict[fx.Node, Tuple[int, ...]] = {}
@@ -144,8 +162,10 @@ class _Planner:
 
     # ---- bookkeeping ---------------------------------------------------------
     def _reset(self):
-        self.plan = TPPlan(self.tp)
+        self.plan = TPPlan(self.tp, sequence_parallel=self.sp)
         self.plc: Dict[fx.Node, object] = self.plan.node_plc
+        self.cur: Optional[fx.Node] = None
+        self.pending_bias: Dict[fx.Node, fx.Node] = {}
         self.free: Dict[fx.Node, Tuple[str, Tuple[int, ...]]] = {}
         self.origin: Dict[fx.Node, frozenset] = {}
         self.claims: Dict[str, str] = {}
@@ -168,6 +188,27 @@ class _Planner:
         raise RuntimeError("tensor-parallel planning did not converge")
 
     def get(self, n):
+        """Placement of ``n`` as the node being visited sees it (after g / scatter / gather)."""
+        c = self.cur
+        if c is not None and isinstance(n, fx.Node):
+            if (c in self.plan.g_edges.get(n, ()) or c in self.plan.gather_edges.get(n, (0, ()))[1]
+                    or c in self.plan.gather_full_edges.get(n, (0, ()))[1]):
+                return R
+            for edges in (self.plan.scatter_edges, self.plan.split_edges):
+                if c in edges.get(n, (0, ()))[1]:
+                    return Shard(edges[n][0])
+        return self._base(n)
+
+    def orig(self, n):
+        """The column matmuls a split came from, or SEQ for a sequence shard."""
+        c = self.cur
+        if c is not None:
+            for edges in (self.plan.scatter_edges, self.plan.split_edges):
+                if c in edges.get(n, (0, ()))[1]:
+                    return frozenset([SEQ])
+        return self.origin.get(n, frozenset())
+
+    def _base(self, n):
         if n in self.free:
             pname, dmap = self.free[n]
             pp = self.plan.param_plc.get(pname)
@@ -201,6 +242,13 @@ class _Planner:
         raise _Restart
 
     def demote(self, origins, node, why):
+        if SEQ in origins:   # a sequence shard that cannot go on: gather it here instead
+            seq_inputs = [a for a in node.all_input_nodes if SEQ in self.orig(a)]
+            new = {(a, node) for a in seq_inputs} - self.force_gather
+            if new:
+                self.force_gather |= new
+                raise _Restart
+            origins = set(origins) - {SEQ}
         origins = set(origins) - set(self.demoted)
         if not origins:
             raise RuntimeError(f"internal: conflict at {_where(node)} with no matmul to demote: {why}")
@@ -213,10 +261,34 @@ class _Planner:
         p = self.get(a)
         if isinstance(p, Partial):
             self.plan.g_edges.setdefault(a, set()).add(consumer)
+            if a in self.pending_bias:
+                self.plan.bias_after[a] = self.pending_bias[a]
+        elif isinstance(p, Shard) and SEQ in self.orig(a):
+            self._gather(a, consumer)
         elif isinstance(p, Shard):
-            self.demote(self.origin.get(a, ()), consumer, f"needs its input {a.name} whole")
+            self.demote(self.orig(a), consumer, f"needs its input {a.name} whole")
         elif p is None:
             self.claim(a, R, _where(consumer))
+
+    def _gather(self, a, consumer, into_column=False):
+        """All-gather a sequence shard for ``consumer``. Into a column-parallel matmul the
+        gather's backward reduce-scatters (it is Megatron's f as well); anywhere else the
+        gathered value starts an ordinary replicated region whose gradient is whole, so the
+        backward only keeps this rank's slice."""
+        dim = _norm(self._base(a).dim, _val(a).ndim)
+        edges = self.plan.gather_edges if into_column else self.plan.gather_full_edges
+        edges.setdefault(a, (dim, set()))[1].add(consumer)
+
+    def reduce_partial(self, a, consumer):
+        """Make a partial sum whole for an op that can run on sequence shards:
+        reduce-scatter along the sequence under sequence parallelism, else all-reduce."""
+        v = _val(a)
+        if self.sp and v.ndim >= 3 and v.shape[-2] % self.tp == 0:
+            self.plan.scatter_edges.setdefault(a, (v.ndim - 2, set()))[1].add(consumer)
+            if a in self.pending_bias:
+                self.plan.bias_after[a] = self.pending_bias[a]
+        else:
+            self.replicate(a, consumer)
 
     def set(self, node, plc, origins=frozenset()):
         self.plc[node] = plc
@@ -244,11 +316,14 @@ class _Planner:
             self.set(node, R)
 
     def _call(self, node):
+        self.cur = node
+        for a in node.all_input_nodes:
+            if (a, node) in self.force_gather:
+                self._gather(a, node)
         pk = _packet(node)
         if node.target is operator.getitem:
             src = self.get(node.args[0])
-            self.set(node, src[node.args[1]] if isinstance(src, tuple) else R,
-                     self.origin.get(node.args[0], ()))
+            self.set(node, src[node.args[1]] if isinstance(src, tuple) else R, self.orig(node.args[0]))
             return
         if pk in (aten.linear, aten.addmm, aten.mm, aten.matmul, aten.bmm):
             return self._matmul(node, pk)
@@ -279,7 +354,7 @@ class _Planner:
     def _opaque(self, node, why):
         for a in node.all_input_nodes:
             if isinstance(self.get(a), Shard):
-                self.demote(self.origin.get(a, ()), node, why)
+                self.demote(self.orig(a), node, why)
             self.replicate(a, node)
         v = _val(node)
         self.set(node, tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
@@ -299,39 +374,57 @@ class _Planner:
         nd = out.ndim
         tensors = [a for a in node.all_input_nodes if _is_tensor_node(a) or a in self.free]
         partials = [a for a in tensors if isinstance(self.get(a), Partial)]
-        shards = self._shard_inputs(node)
-        if partials and not shards and pk in _KEEP_PARTIAL:
+        split = [a for a, _ in self._shard_inputs(node) if SEQ not in self.orig(a)]
+        if partials and not self._shard_inputs(node) and pk in _KEEP_PARTIAL and len(partials) == 1:
+            self._carry_bias(partials[0], node)
             return self.set(node, Partial())
         for a in partials:
-            self.replicate(a, node)
+            self.replicate(a, node) if split else self.reduce_partial(a, node)
+        shards = self._shard_inputs(node)
         if not shards:
             for a in tensors:
                 if self.get(a) is None:
                     self.claim(a, R, _where(node))
             return self.set(node, R)
-        origins = set().union(*(self.origin.get(a, frozenset()) for a, _ in shards))
+        origins = set().union(*(self.orig(a) for a, _ in shards))
         dims = {(p.dim + nd - _val(a).ndim, p.blocks) for a, p in shards}
         if len(dims) > 1:
             self.demote(origins, node, f"combines inputs split along different dims {sorted(map(str, dims))}")
         d, blocks = dims.pop()
+        seq = SEQ in origins
         for a in tensors:
             if isinstance(self.get(a), Shard):
                 continue
             ad = d - (nd - _val(a).ndim)
-            if ad < 0 or _val(a).shape[ad] == 1:   # broadcast along the split dim
+            if ad < 0 or _val(a).shape[ad] == 1:
+                # broadcast along the split dim: each rank's gradient is a partial sum -> f
                 if a in self.free:
                     self.claim(a, R, _where(node))
-                elif a in self.needs_grad:
+                if a in self.free or a in self.needs_grad:
                     self.plan.f_edges.setdefault(a, set()).add(node)
                 continue
-            if a in self.free:
+            if a in self.free and not seq:
                 if not self.claim(a, Shard(ad, blocks), _where(node)):
                     self.demote(origins, node, f"uses parameter {self.free[a][0]} that must stay replicated")
-            elif a not in self.needs_grad and blocks is None:
+            elif a not in self.needs_grad and a not in self.free and blocks is None:
                 self.plan.slice_edges.setdefault((a, ad), set()).add(node)
+            elif seq:
+                if a in self.free:
+                    self.claim(a, R, _where(node))
+                self.plan.split_edges.setdefault(a, (ad, set()))[1].add(node)
             else:
                 self.demote(origins, node, f"combines it with the replicated activation {a.name}")
         self.set(node, Shard(d, blocks), origins)
+
+    def _carry_bias(self, x, node):
+        """A deferred row-parallel bias rides along views that keep the last dim."""
+        if x in self.pending_bias:
+            if _val(node).shape[-1] == _val(x).shape[-1]:
+                self.pending_bias[node] = self.pending_bias[x]
+            else:
+                self.replicate(x, node)
+                return False
+        return True
 
     def _matmul(self, node, pk):
         args = node.args
@@ -351,21 +444,25 @@ class _Planner:
             return self._activation_matmul(node, x, w)
         if isinstance(self.get(x), Partial):
             self.replicate(x, node)
-        px = R if isinstance(self.get(x), Partial) else self.get(x)
+        if isinstance(self.get(x), Shard) and SEQ in self.orig(x):
+            self._gather(x, node, into_column=True)
+        px = self.get(x)
         xnd = _val(x).ndim
+        gathered_here = node in self.plan.gather_edges.get(x, (0, ()))[1]
         pname = self.free[w][0]
         where = f"{_where(node)} (weight {pname})"
         if isinstance(px, Shard) and _norm(px.dim, xnd) == xnd - 1:
             if pname in self.forced_rep:
-                self.demote(self.origin.get(x, ()), node, f"is replicated: {self.forced_rep[pname]}")
+                self.demote(self.orig(x), node, f"is replicated: {self.forced_rep[pname]}")
             self.claim(w, Shard(w_in, px.blocks), where)
-            if b is not None:
+            if b is not None:   # added after the reduction: see pending_bias
                 self.claim(b, R, where)
                 self.plan.row_bias.add(node)
+                self.pending_bias[node] = b
             self.plan.decisions[node] = Decision("row")
-            return self.set(node, R if b is not None else Partial())
+            return self.set(node, Partial())
         if isinstance(px, Shard):
-            self.demote(self.origin.get(x, ()), node, f"contracts dim {xnd - 1}, not the split dim {px.dim}")
+            self.demote(self.orig(x), node, f"contracts dim {xnd - 1}, not the split dim {px.dim}")
         reason = self.demoted.get(node) or self.forced_rep.get(pname)
         if reason is None:
             n_out = _val(w).shape[w_out]
@@ -379,10 +476,13 @@ class _Planner:
             self.claim(w, Shard(w_out, blocks), where)
             if b is not None:
                 self.claim(b, Shard(0, blocks), where)
-            if x in self.needs_grad:
+            if x in self.needs_grad and not gathered_here:
                 self.plan.f_edges.setdefault(x, set()).add(node)
             self.plan.decisions[node] = Decision("column")
             return self.set(node, Shard(_val(node).ndim - 1, blocks), {node})
+        if gathered_here:   # not column after all: its input gradient is whole
+            self.plan.gather_edges[x][1].discard(node)
+            self.plan.gather_full_edges.setdefault(x, (self.plan.gather_edges[x][0], set()))[1].add(node)
         self.claim(w, R, where)
         if b is not None:
             self.claim(b, R, where)
@@ -397,7 +497,7 @@ class _Planner:
         nd = _val(node).ndim
         if isinstance(px, Replicate) and isinstance(pw, Replicate):
             return self.set(node, R)
-        origins = self.origin.get(x, frozenset()) | self.origin.get(w, frozenset())
+        origins = self.orig(x) | self.orig(w)
         if isinstance(px, Shard) and isinstance(pw, Shard):
             dx = px.dim + nd - _val(x).ndim
             dw = pw.dim + nd - _val(w).ndim
@@ -439,9 +539,9 @@ class _Planner:
             weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
             smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
             if nd != 2 or _norm(p.dim, nd) != 1 or p.blocks is not None:
-                self.demote(self.origin.get(logits, ()), node, "is a cross-entropy over logits not split by class")
+                self.demote(self.orig(logits), node, "is a cross-entropy over logits not split by class")
             if weight is not None or smoothing:
-                self.demote(self.origin.get(logits, ()), node,
+                self.demote(self.orig(logits), node,
                             "is a cross-entropy with class weights or label smoothing (no vocab-parallel form)")
             self.replicate(target, node)
             self.plan.decisions[node] = Decision("vocab")
@@ -455,7 +555,7 @@ class _Planner:
             if isinstance(self.get(a), Partial):
                 self.replicate(a, node)
         ps = [self.get(a) for a in (q, k, v)]
-        origins = set().union(*(self.origin.get(a, frozenset()) for a in (q, k, v)))
+        origins = set().union(*(self.orig(a) for a in (q, k, v)))
         if all(isinstance(p, Replicate) for p in ps):
             if isinstance(mask, fx.Node):
                 self.replicate(mask, node)
@@ -468,7 +568,7 @@ class _Planner:
             md = 1 - (4 - mv.ndim)
             if isinstance(mp, Shard):
                 if _norm(mp.dim, mv.ndim) != md:
-                    self.demote(origins | self.origin.get(mask, frozenset()), node, "has a mask split off the heads dim")
+                    self.demote(origins | self.orig(mask), node, "has a mask split off the heads dim")
             elif md >= 0 and mv.shape[md] != 1:
                 if mask in self.needs_grad:
                     self.demote(origins, node, "has a per-head mask that needs gradients")
@@ -483,17 +583,22 @@ class _Planner:
         p = self.get(x)
         if p is None:
             return self._opaque(node, "")
+        if isinstance(p, Partial):
+            return self.set(node, p if self._carry_bias(x, node) else R)
         if not isinstance(p, Shard):
             return self.set(node, p)
         ins = list(_val(x).shape)
         outs = list(_val(node).shape)
         d = _norm(p.dim, len(ins))
-        origins = self.origin.get(x, frozenset())
+        origins = self.orig(x)
         for gi, gj in _view_groups(ins, outs):
             if d not in gi:
                 continue
             gi_big = [i for i in gi if ins[i] != 1]
             gj_big = [j for j in gj if outs[j] != 1]
+            if SEQ in origins and (len(gi_big) > 1 or len(gj_big) > 1):
+                self._gather(x, node)      # e.g. [b, s, h] -> [b*s, h]: gather the sequence first
+                return self.set(node, R)
             if not gj_big or gi_big[0] != d:
                 self.demote(origins, node, f"merges split dim {d} of {ins} into a later position")
             e = gj_big[0]
@@ -529,7 +634,7 @@ class _Planner:
                 return
             return self._opaque(node, "")
         if isinstance(p, Partial):
-            if pk in _KEEP_PARTIAL:
+            if pk in _KEEP_PARTIAL and self._carry_bias(x, node):
                 return self.set(node, p)
             self.replicate(x, node)
             return self.set(node, R)
@@ -538,7 +643,7 @@ class _Planner:
         nd_in = _val(x).ndim
         nd_out = _val(node).ndim
         d = _norm(p.dim, nd_in)
-        origins = self.origin.get(x, frozenset())
+        origins = self.orig(x)
         if pk is aten.t:
             e = 1 - d if nd_in == 2 else d
         elif pk is aten.transpose:
@@ -575,7 +680,7 @@ class _Planner:
             return self.set(node, tuple(R for _ in outs))
         nd = _val(x).ndim
         dim = _norm(dim, nd)
-        origins = self.origin.get(x, frozenset())
+        origins = self.orig(x)
         if _norm(p.dim, nd) != dim:
             return self.set(node, tuple(p for _ in outs), origins)
         sizes = tuple(o.shape[dim] for o in outs)
@@ -596,18 +701,22 @@ class _Planner:
 
     def _layer_norm(self, node):
         x, shape = node.args[0], node.args[1]
+        if isinstance(self.get(x), Partial):
+            self.reduce_partial(x, node)
+        p = self.get(x)
+        nd = _val(x).ndim
         for a in node.args[2:4]:
             if isinstance(a, fx.Node):
-                self.replicate(a, node) if a not in self.free else self.claim(a, R, _where(node))
-        p = self.get(x)
-        if isinstance(p, Partial):
-            self.replicate(x, node)
-            p = R
-        nd = _val(x).ndim
+                if a in self.free:
+                    self.claim(a, R, _where(node))
+                else:
+                    self.replicate(a, node)
+                if isinstance(p, Shard) and (a in self.free or a in self.needs_grad):
+                    self.plan.f_edges.setdefault(a, set()).add(node)   # grads are partial sums
         if isinstance(p, Shard):
             if _norm(p.dim, nd) >= nd - len(shape):
-                self.demote(self.origin.get(x, ()), node, "normalises over the split dim")
-            return self.set(node, p, self.origin.get(x, frozenset()))
+                self.demote(self.orig(x), node, "normalises over the split dim")
+            return self.set(node, p, self.orig(x))
         self.set(node, R)
 
     def _dim_op(self, node, pk):
@@ -617,7 +726,7 @@ class _Planner:
             ps = [self.get(a) for a in tensors]
             if all(isinstance(p, Replicate) for p in ps):
                 return self.set(node, R)
-            origins = set().union(*(self.origin.get(a, frozenset()) for a in tensors))
+            origins = set().union(*(self.orig(a) for a in tensors))
             if all(isinstance(p, Shard) for p in ps) and len({(_norm(p.dim, nd), p.blocks) for p in ps}) == 1 \
                     and _norm(ps[0].dim, nd) != _norm(dim, nd) and ps[0].blocks is None:
                 return self.set(node, ps[0], origins)
@@ -630,7 +739,7 @@ class _Planner:
             return self._opaque(node, "")
         nd = _val(x).ndim
         d = _norm(p.dim, nd)
-        origins = self.origin.get(x, frozenset())
+        origins = self.orig(x)
         if pk in _SOFTMAX:
             if _norm(node.args[1], nd) == d:
                 self.demote(origins, node, "takes a softmax over the split dim")
@@ -658,9 +767,9 @@ class _Planner:
         self.set(node, Shard(e, p.blocks), origins)
 
 
-def plan_tensor_parallel(gm: fx.GraphModule, tp: int, param_names) -> TPPlan:
+def plan_tensor_parallel(gm: fx.GraphModule, tp: int, param_names, sequence_parallel: bool = False) -> TPPlan:
     """Placements for every node and a decision for every matmul, embedding and loss."""
-    return _Planner(gm, tp, set(param_names)).run()
+    return _Planner(gm, tp, set(param_names), sequence_parallel).run()
 
 
 def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_name: str) -> fx.GraphModule:
@@ -692,19 +801,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
         node.meta["tp_decision"] = f"{dec.kind}" + (f": {dec.reason}" if dec.reason else "")
         pk = _packet(node)
         if dec.kind == "row" and node in plan.row_bias:
+            # the bias is added after the reduction (g or reduce-scatter): see bias_after
             if pk is aten.linear:
-                x, w, b = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["bias"]
-                with g.inserting_before(node):
-                    mm = mark(g.call_function(aten.linear.default, (x, w)), Partial())
-            else:
-                b, x, w = node.args[:3]
-                with g.inserting_before(node):
-                    mm = mark(g.call_function(aten.mm.default, (x, w)), Partial())
-            mm.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
-            with g.inserting_before(node):
-                red = mark(g.call_function(reduce_from_tp, (mm, group_name)), R)
-            red.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
-            node.target, node.args, node.kwargs = aten.add.Tensor, (red, b), {}
+                node.args, node.kwargs = node.args[:2], {}
+            else:   # addmm(b, x, w) -> mm(x, w)
+                node.target, node.args, node.kwargs = aten.mm.default, (node.args[1], node.args[2]), {}
         elif dec.kind == "vocab" and pk is aten.embedding:
             w, ids = node.args[0], node.args[1]
             vocab = node.args[0].meta["val"].shape[0] // tp
@@ -723,20 +824,41 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
         n.meta["nn_module_stack"] = src.meta.get("nn_module_stack")
         return mark(n, plc)
 
+    def rewire(src, new, users):
+        for u in users:
+            u.replace_input_with(src, new)
+
+    def with_bias(src, red, f_bias):
+        """A deferred row-parallel bias, added after the reduction."""
+        b = plan.bias_after.get(src)
+        if b is None:
+            return red
+        if f_bias:   # on sequence shards each rank sees part of the bias's gradient
+            b = insert_after(b, copy_to_tp, (b, group_name), R)
+        with g.inserting_after(red):
+            out = g.call_function(aten.add.Tensor, (red, b))
+        out.meta["nn_module_stack"] = red.meta.get("nn_module_stack")
+        return mark(out, red.meta["placement"])
+
     reduced = {}
     for src, users in plan.g_edges.items():
-        red = reduced[src] = insert_after(src, reduce_from_tp, (src, group_name), R)
-        for u in users:
-            u.replace_input_with(src, red)
+        red = reduced[src] = with_bias(src, insert_after(src, reduce_from_tp, (src, group_name), R), False)
+        rewire(src, red, users)
+    for src, (dim, users) in plan.scatter_edges.items():
+        sc = with_bias(src, insert_after(src, scatter_seq, (src, dim, tp, group_name), Shard(dim)), True)
+        rewire(src, sc, users)
+    for src, (dim, users) in plan.gather_edges.items():
+        if users:
+            rewire(src, insert_after(src, gather_seq, (src, dim, tp, group_name), R), users)
+    for src, (dim, users) in plan.gather_full_edges.items():
+        rewire(src, insert_after(src, all_gather_seq, (src, dim, rank, tp, group_name), R), users)
+    for src, (dim, users) in plan.split_edges.items():
+        rewire(src, insert_after(src, split_seq, (src, dim, rank, tp, group_name), Shard(dim)), users)
     for src, users in plan.f_edges.items():
         src2 = reduced.get(src, src)
-        f = insert_after(src2, copy_to_tp, (src2, group_name), R)
-        for u in users:
-            u.replace_input_with(src2, f)
+        rewire(src2, insert_after(src2, copy_to_tp, (src2, group_name), R), users)
     for (src, dim), users in plan.slice_edges.items():
-        s = insert_after(src, local_shard, (src, dim, rank, tp), Shard(dim))
-        for u in users:
-            u.replace_input_with(src, s)
+        rewire(src, insert_after(src, local_shard, (src, dim, rank, tp), Shard(dim)), users)
     for node, plc in plan.node_plc.items():
         if node.graph is g and "placement" not in node.meta:
             node.meta["placement"] = plc
