@@ -16,6 +16,7 @@ from .capture import Captured, batch_args, capture, retarget_device
 from .dump import write_dump
 from .errors import MeshError, ShardingError
 from .materialize import local_parameter
+from .passes.recompute import apply_recompute
 from .passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from .placement import Placement, R, join_shards
 
@@ -65,6 +66,7 @@ class ParallelModel(nn.Module):
         self._plan = plan
         self.tp_size, self.tp_rank, self._group_name = tp
         self.timings = timings
+        self._recompute = "none"
 
     # parameters keep the original model's names
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -111,6 +113,7 @@ class ParallelModel(nn.Module):
         """Write this rank's transformed graph, placements, collectives and decisions."""
         info = {"tp": f"{self.tp_size} (rank {self.tp_rank})",
                 "sequence parallel": str(self._plan.sequence_parallel),
+                "recompute": str(self._recompute),
                 "planning attempts": str(self._plan.attempts)}
         for name, why in self._plan.replicated_params.items():
             info[f"kept replicated: {name}"] = why
@@ -118,14 +121,15 @@ class ParallelModel(nn.Module):
 
 
 def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: bool = False,
-                state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False) -> ParallelModel:
+                recompute="none", state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's tensor-parallel piece.
 
     ``mesh``: a torch DeviceMesh with a "tp" dim (or None: one process, no split).
     ``example_batch``: what ``model`` is called with (tuple -> positional, dict ->
     keyword); its forward must return the loss. ``sequence_parallel``: norms, dropout
     and residual adds run on sequence shards between tensor-parallel regions (g becomes
-    a reduce-scatter, f an all-gather). Weights come from ``state_dict``,
+    a reduce-scatter, f an all-gather). ``recompute``: "none", "selective" (attention
+    core), "full" (each transformer block) or a ``RecomputePolicy``. Weights come from ``state_dict``,
     else from the model, else (meta model) are initialised shard by shard.
     """
     tp = _tp_group(mesh)
@@ -157,9 +161,12 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     t0 = time.perf_counter()
     _check_local_shapes(local, cap)
     timings["shape_check_s"] = time.perf_counter() - t0
+    apply_recompute(local, recompute)
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print("fxmegatron: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()), flush=True)
-    return ParallelModel(local, cap, plan, tp, timings)
+    pm = ParallelModel(local, cap, plan, tp, timings)
+    pm._recompute = recompute if isinstance(recompute, str) else getattr(recompute, "name", str(recompute))
+    return pm
 
 
 def _check_local_shapes(gm: fx.GraphModule, cap: Captured) -> None:

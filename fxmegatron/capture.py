@@ -161,6 +161,8 @@ def _unlift(ep, model, args, kwargs, device) -> Captured:
             else:
                 raise CaptureError(f"unsupported graph input {node.name} of kind {s.kind.name}")
             new.meta = dict(node.meta)
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
+            continue    # export's runtime dtype/device checks: no users, and they pin activations
         else:
             new = graph.node_copy(node, lambda n: env[n])
             if node.op == "get_attr":

@@ -50,6 +50,8 @@ def placement_table(gm: fx.GraphModule) -> str:
         if n.op in ("output",):
             continue
         note = n.meta.get("tp_decision") or n.meta.get("tp_note") or ""
+        if n.meta.get("recompute"):
+            note = (note + " " if note else "") + f"[recompute: {n.meta['recompute']}]"
         rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(n.meta.get("placement")),
                      _shape(n.meta.get("val")), module_path(n), note))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -62,6 +64,13 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
         f.write("# Transformed graph of one rank: parameters are this rank's local shards.\n")
         f.write("# Collectives: copy_to_tp (f), reduce_from_tp (g), vocab_parallel_cross_entropy.\n")
         f.write(gm.code)
+    for name, mod in gm.named_children():
+        body = getattr(mod, "body", None)
+        if isinstance(body, fx.GraphModule):
+            with open(os.path.join(directory, f"{name}.py"), "w") as f:
+                f.write(f"# {getattr(mod, 'label', '')} recomputation: this body runs in forward without\n"
+                        "# keeping its activations and runs again in backward.\n")
+                f.write(body.code)
     with open(os.path.join(directory, "placements.txt"), "w") as f:
         f.write("# R = replicated, S(d) = split along dim d, P(sum) = partial sums (reduced by g)\n")
         f.write(placement_table(gm))

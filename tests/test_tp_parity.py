@@ -1,6 +1,6 @@
-"""Tensor parallel on gloo (world 2 and 4), with and without sequence parallelism: loss,
-gradients and three AdamW steps match the unmodified model for the bundled GPT, HF GPT-2
-and HF Llama (GQA)."""
+"""Tensor parallel on gloo (world 2 and 4), with and without sequence parallelism, with
+recompute none / selective / full: loss, gradients and three AdamW steps match the
+unmodified model for the bundled GPT, HF GPT-2 and HF Llama (GQA)."""
 import pytest
 
 from tests.distributed import run_distributed
@@ -9,11 +9,14 @@ from tests.workers import tp_parity
 MODELS = ("gpt", "gpt2", "llama")
 
 
-@pytest.fixture(scope="module", params=[(2, False), (4, False), (2, True), (4, True)],
-                ids=["tp2", "tp4", "tp2-sp", "tp4-sp"])
+LAYOUTS = [(w, sp, rc) for w in (2, 4) for sp in (False, True) for rc in ("none", "selective", "full")]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS,
+                ids=[f"tp{w}{'-sp' if sp else ''}-rc_{rc}" for w, sp, rc in LAYOUTS])
 def results(request):
-    world, sp = request.param
-    return world, run_distributed(tp_parity, world, MODELS, 3, {"sequence_parallel": sp})
+    world, sp, rc = request.param
+    return world, run_distributed(tp_parity, world, MODELS, 3, {"sequence_parallel": sp, "recompute": rc})
 
 
 @pytest.mark.parametrize("name", MODELS)
