@@ -23,12 +23,9 @@ def main():
     t_start = time.perf_counter()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fxmegatron.api import _check_local_shapes
-    from fxmegatron.capture import capture, retarget_device
-    from fxmegatron.materialize import local_parameter
+    from fxmegatron.api import _check_local_shapes, assemble_local
+    from fxmegatron.capture import capture
     from fxmegatron.passes.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
-    from fxmegatron.placement import R
-    import torch.fx as fx
 
     t_import = time.perf_counter() - t_start
     cfg = LlamaConfig(num_hidden_layers=args.layers, hidden_size=4096, num_attention_heads=32,
@@ -52,19 +49,7 @@ def main():
     t_tp = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    root = {}
-    for node in cap.gm.graph.nodes:
-        if node.op == "get_attr":
-            if node.target in cap.params:
-                p = cap.params[node.target]
-                root[node.target] = local_parameter(node.target, p, plan.param_plc.get(node.target, R),
-                                                    args.rank, args.tp, "meta")
-            elif node.target in cap.buffers:
-                root[node.target] = cap.buffers[node.target]
-            else:
-                root[node.target] = getattr(cap.gm, node.target)
-    local = fx.GraphModule(root, cap.gm.graph)
-    retarget_device(local, "meta")
+    local = assemble_local(cap.gm, cap, plan, args.rank, args.tp, "meta")
     _check_local_shapes(local, cap)
     t_local = time.perf_counter() - t0
     local_params = sum(p.numel() for p in local.parameters())

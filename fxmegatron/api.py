@@ -144,19 +144,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     apply_tensor_parallel(gm, plan, tp[1], tp[2])
     timings["tensor_parallel_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    root = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            if node.target in cap.params:
-                root[node.target] = local_parameter(node.target, cap.params[node.target],
-                                                    plan.param_plc.get(node.target, R), tp[1], tp[0],
-                                                    device, state_dict, seed)
-            elif node.target in cap.buffers:
-                root[node.target] = cap.buffers[node.target].to(device)
-            else:
-                root[node.target] = getattr(gm, node.target)
-    local = fx.GraphModule(root, gm.graph)
-    retarget_device(local, device)
+    local = assemble_local(gm, cap, plan, tp[1], tp[0], device, state_dict, seed)
     timings["materialize_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     _check_local_shapes(local, cap)
@@ -167,6 +155,25 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     pm = ParallelModel(local, cap, plan, tp, timings)
     pm._recompute = recompute if isinstance(recompute, str) else getattr(recompute, "name", str(recompute))
     return pm
+
+
+def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, world: int, device,
+                   state_dict: Optional[Mapping] = None, seed: int = 0) -> fx.GraphModule:
+    """The rank's GraphModule: its parameter shards, buffers and submodules, on ``device``."""
+    root = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        if node.target in cap.params:
+            root[node.target] = local_parameter(node.target, cap.params[node.target],
+                                                plan.param_plc.get(node.target, R), rank, world,
+                                                device, state_dict, seed)
+        elif node.target in cap.buffers:
+            root[node.target] = cap.buffers[node.target].to(device)
+        else:
+            root[node.target] = getattr(gm, node.target)
+    local = fx.GraphModule(root, gm.graph)
+    return retarget_device(local, device)
 
 
 def _check_local_shapes(gm: fx.GraphModule, cap: Captured) -> None:
