@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dump", default="dump")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -37,11 +39,13 @@ def main():
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=torch.Generator().manual_seed(1))
     batch = (tokens[:, :-1], tokens[:, 1:])
-    pm = fxmegatron.parallelize(model, mesh, batch, verbose=True)
+    pm = fxmegatron.parallelize(model, mesh, batch, sequence_parallel=args.sequence_parallel,
+                                recompute=args.recompute, verbose=True)
     n_local = sum(p.numel() for p in pm.parameters())
     n_full = sum(p.numel() for p in reference.parameters())
     if rank == 0:
-        print(f"bundled GPT: {args.layers} layers, h {cfg.n_embd}, {cfg.n_head} heads; tp={world}; "
+        print(f"bundled GPT: {args.layers} layers, h {cfg.n_embd}, {cfg.n_head} heads; tp={world}, "
+              f"sequence parallel {args.sequence_parallel}, recompute {args.recompute}; "
               f"rank 0 holds {n_local:,} of {n_full:,} parameters")
         print(f"{'step':>4s}  {'fxmegatron loss':>16s}  {'unmodified loss':>16s}  {'rel. diff':>9s}")
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
