@@ -49,7 +49,7 @@ def placement_table(gm: fx.GraphModule) -> str:
     for n in gm.graph.nodes:
         if n.op in ("output",):
             continue
-        note = n.meta.get("tp_decision") or n.meta.get("tp_note") or ""
+        note = n.meta.get("tp_decision") or ""
         if n.meta.get("recompute"):
             note = (note + " " if note else "") + f"[recompute: {n.meta['recompute']}]"
         rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(n.meta.get("placement")),

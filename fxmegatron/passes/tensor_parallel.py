@@ -301,8 +301,7 @@ class _Planner:
             self.set(node, R)
         elif node.op == "get_attr":
             if node.target in self.param_names:
-                self.free[node] = (node.target, tuple(range(_val(node).ndim)) if _val(node) is not None
-                                   else (0, 1))
+                self.free[node] = (node.target, tuple(range(_val(node).ndim)))
             else:
                 self.set(node, R)
         elif node.op == "output":
@@ -777,10 +776,8 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
     g = gm.graph
     tp = plan.tp
 
-    def mark(n, plc, note=""):
+    def mark(n, plc):
         n.meta["placement"] = plc
-        if note:
-            n.meta["tp_note"] = note
         return n
 
     for node in list(g.nodes):
