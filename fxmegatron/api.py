@@ -16,6 +16,7 @@ from .capture import Captured, batch_args, capture, retarget_device
 from .dump import write_dump
 from .errors import MeshError, ShardingError
 from .materialize import local_parameter
+from .passes.dropout_rng import RNG_ATTR, apply_counter_rng
 from .passes.recompute import apply_recompute
 from .passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from .placement import Placement, R, join_shards
@@ -142,12 +143,15 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     t0 = time.perf_counter()
     plan = plan_tensor_parallel(gm, tp[0], cap.params.keys(), sequence_parallel)
     apply_tensor_parallel(gm, plan, tp[1], tp[2])
+    apply_counter_rng(gm, tp[1], tp[0], seed)
     timings["tensor_parallel_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     local = assemble_local(gm, cap, plan, tp[1], tp[0], device, state_dict, seed)
     timings["materialize_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     _check_local_shapes(local, cap)
+    if hasattr(local, RNG_ATTR):
+        getattr(local, RNG_ATTR).step = 0   # the shape check ran one forward
     timings["shape_check_s"] = time.perf_counter() - t0
     apply_recompute(local, recompute)
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):

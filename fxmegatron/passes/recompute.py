@@ -28,11 +28,12 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..capture import module_path
+from ..rng import counter_dropout_attention
 
 aten = torch.ops.aten
 
 SELECTIVE_OPS = frozenset({aten.scaled_dot_product_attention, aten._softmax, aten.softmax,
-                           aten._safe_softmax})
+                           aten._safe_softmax, counter_dropout_attention})
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def _regions(gm: fx.GraphModule, policy: RecomputePolicy) -> List[List[fx.Node]]
             return None
         if policy.blocks:
             return block_of(n) or None
-        pk = getattr(n.target, "overloadpacket", None)
+        pk = getattr(n.target, "overloadpacket", n.target)
         if pk in policy.ops:
             return "op:" + (block_of(n) or module_path(n))
         mod = module_path(n)
