@@ -18,7 +18,9 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
-LAYOUTS = [("no parallelism", None), ("TP", dict(sequence_parallel=False)),
+# "no parallelism": the unmodified model; "fxmegatron tp=1": the same model through fxmegatron on
+# one process (its dropout runs unfused attention with a 1-byte mask: see fxmegatron/rng.py)
+LAYOUTS = [("no parallelism", None), ("fxmegatron tp=1", "single"), ("TP", dict(sequence_parallel=False)),
            ("TP+SP", dict(sequence_parallel=True)),
            ("TP+SP+selective", dict(sequence_parallel=True, recompute="selective")),
            ("TP+SP+full", dict(sequence_parallel=True, recompute="full"))]
@@ -37,7 +39,10 @@ def _bytes(layers, s, h, heads, b, kwargs, mesh):
     model = _model(layers, s, h, heads)
     g = torch.Generator().manual_seed(1)
     batch = (torch.randint(0, 256, (b, s), generator=g), torch.randint(0, 256, (b, s), generator=g))
-    runner = model if kwargs is None else fxmegatron.parallelize(model, mesh, batch, **kwargs)
+    if kwargs == "single":
+        runner = fxmegatron.parallelize(model, None, batch)
+    else:
+        runner = model if kwargs is None else fxmegatron.parallelize(model, mesh, batch, **kwargs)
     with saved_bytes(exclude=list(runner.parameters())) as m:
         loss = runner(*batch) if kwargs is None else runner(batch)
     loss.backward()
@@ -54,6 +59,7 @@ def measure(rank, world, s, h, heads, b):
 
 def formulas(s, h, a, b, t):
     return {"no parallelism": s * b * h * (34 + 5 * a * s / h),
+            "fxmegatron tp=1": s * b * h * (34 + 5 * a * s / h),
             "TP": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
             "TP+SP": s * b * h / t * (34 + 5 * a * s / h),
             "TP+SP+selective": 34 * s * b * h / t,

@@ -111,7 +111,8 @@ def counter_dropout(x: Tensor, p: float, train: bool, key: Tensor, site: int,
     if p >= 1.0:
         return x * 0.0
     keep = keep_mask(key, site, p, x.shape, global_shape, shard_dim, slices)
-    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+    # where() keeps the 1-byte mask for backward, not a float copy of it
+    return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)
 
 
 def counter_dropout_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float,

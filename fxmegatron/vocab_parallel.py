@@ -29,6 +29,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     the max (for stability), the sum of exponentials and the target's logit.
     ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
     """
+    out_dtype = logits.dtype
+    logits = logits.float()    # softmax statistics in fp32 whatever the model's dtype, as Megatron does
     shift = all_reduce_max(logits.detach().amax(-1), group_name)
     z = logits - shift.unsqueeze(-1)
     sum_exp = reduce_from_tp(z.exp().sum(-1), group_name)
@@ -39,10 +41,10 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     valid = target != ignore_index
     loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
     if reduction == 0:
-        return loss
+        return loss.to(out_dtype)
     if reduction == 2:
-        return loss.sum()
-    return loss.sum() / valid.sum().to(loss.dtype)
+        return loss.sum().to(out_dtype)
+    return (loss.sum() / valid.sum().to(loss.dtype)).to(out_dtype)
 
 
 VOCAB_PARALLEL_COLLECTIVES = {
