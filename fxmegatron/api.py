@@ -1,8 +1,10 @@
 """``parallelize`` and the object it returns."""
 from __future__ import annotations
 
+import math
 import time
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,21 +19,45 @@ from .dump import write_dump
 from .errors import MeshError, ShardingError
 from .materialize import local_parameter
 from .passes.dropout_rng import RNG_ATTR, apply_counter_rng
+from .passes.pipeline_split import Chunk, split_pipeline
 from .passes.recompute import apply_recompute
 from .passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from .placement import Placement, R, join_shards
+from .schedules import Schedule, ScheduleError, make_schedule
+from .schedules.runtime import StageRunner
+from .stages import Stage, boundary_specs, build_stage, split_batch
 
-_SUPPORTED_DIMS = ("tp",)
+_KNOWN_DIMS = ("dp", "pp", "tp")
+_SUPPORTED_DIMS = ("pp", "tp")
 
 
-def _tp_group(mesh) -> Tuple[int, int, str]:
-    """(tp size, tp rank, group name) from a DeviceMesh, after checking it."""
+@dataclass(frozen=True)
+class Axis:
+    """One mesh dimension as this rank sees it."""
+
+    size: int = 1
+    rank: int = 0
+    group_name: str = ""
+    ranks: Tuple[int, ...] = (0,)     # global ranks of the group, in group order
+
+    @property
+    def group(self):
+        if not self.group_name:
+            return None
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(self.group_name)
+
+
+def _mesh_axes(mesh) -> Dict[str, Axis]:
+    """{"tp": Axis, "pp": Axis} from a DeviceMesh, after checking it."""
     if mesh is None:
-        return 1, 0, ""
+        return {"tp": Axis(), "pp": Axis()}
     names = tuple(mesh.mesh_dim_names or ())
-    if "tp" not in names:
-        raise MeshError(f"the device mesh has dims {names or '(unnamed)'}; fxmegatron needs one named 'tp' "
-                        "(e.g. init_device_mesh('cuda', (2,), mesh_dim_names=('tp',)))")
+    unknown = [n for n in names if n not in _KNOWN_DIMS]
+    if not names or unknown:
+        raise MeshError(f"the device mesh has dims {names or '(unnamed)'}; fxmegatron needs dims named from "
+                        f"{_KNOWN_DIMS}, e.g. 'tp' (init_device_mesh('cuda', (2,), mesh_dim_names=('tp',))) "
+                        "or ('pp', 'tp')")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if mesh.size() != world:
         raise MeshError(f"the device mesh {dict(zip(names, mesh.shape))} has {mesh.size()} devices but the "
@@ -39,8 +65,16 @@ def _tp_group(mesh) -> Tuple[int, int, str]:
     for n, s in zip(names, mesh.shape):
         if n not in _SUPPORTED_DIMS and s > 1:
             raise MeshError(f"mesh dim {n!r} of size {s} is not supported yet (supported: {_SUPPORTED_DIMS})")
-    tp_mesh = mesh["tp"] if len(names) > 1 else mesh
-    return tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group().group_name
+    axes = {}
+    for n in ("tp", "pp"):
+        if n not in names:
+            axes[n] = Axis()
+            continue
+        sub = mesh[n] if len(names) > 1 else mesh
+        group = sub.get_group()
+        axes[n] = Axis(sub.size(), sub.get_local_rank(), group.group_name,
+                       tuple(dist.get_process_group_ranks(group)))
+    return axes
 
 
 def _runtime_device(mesh) -> torch.device:
@@ -51,102 +85,215 @@ def _runtime_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, torch.cuda.current_device())
 
 
+@dataclass
+class Pipeline:
+    """What a pipelined ParallelModel runs: the schedule and this rank's stage."""
+
+    schedule: Schedule
+    chunks: List[Chunk]                 # every chunk, with meta parameters (for dumps and planning)
+    stage: Stage
+    runner: StageRunner
+
+
 class ParallelModel(nn.Module):
     """One rank's piece of the parallel program.
 
-    Call it with a batch shaped like the example batch to get the loss;
-    ``parameters()`` are this rank's local shards (tied weights appear once).
+    ``train_step(batch)`` runs forward and backward over the microbatches (the
+    pipeline schedule when there is one) and returns the loss on every rank.
+    Without pipeline parallelism the model can also be called with a batch to get
+    the loss. ``parameters()`` are this rank's local shards, under the original
+    model's names (tied weights appear once per rank).
     """
 
-    def __init__(self, gm: fx.GraphModule, captured: Captured, plan: TPPlan, tp: Tuple[int, int, str],
-                 timings: Dict[str, float]):
+    def __init__(self, gm: Optional[fx.GraphModule], captured: Captured, plan: TPPlan, axes: Dict[str, Axis],
+                 timings: Dict[str, float], microbatches: int = 1, pipeline: Optional[Pipeline] = None):
         super().__init__()
         self.graph_module = gm
         self._in_spec = captured.in_spec
         self._aliases = captured.aliases
+        self._order = list(captured.params)
         self._plan = plan
-        self.tp_size, self.tp_rank, self._group_name = tp
+        self._axes = axes
+        self.tp_size, self.tp_rank, self._group_name = axes["tp"].size, axes["tp"].rank, axes["tp"].group_name
+        self.pp_size, self.pp_rank = axes["pp"].size, axes["pp"].rank
+        self.microbatches = microbatches
         self.timings = timings
         self._recompute = "none"
+        self._pipeline = pipeline
+        if pipeline is not None:
+            self.stages = nn.ModuleDict({str(k): m for k, m in pipeline.stage.modules.items()})
 
     # parameters keep the original model's names
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        return self.graph_module.named_parameters(prefix, recurse, remove_duplicate)
+        if self._pipeline is None:
+            yield from self.graph_module.named_parameters(prefix, recurse, remove_duplicate)
+            return
+        params = self._pipeline.stage.params
+        for name in self._order:
+            if name in params:
+                yield (prefix + "." + name if prefix else name), params[name]
 
     def placement(self, name: str) -> Placement:
         """How parameter ``name`` (original model's name) is split over tp."""
         return self._plan.param_plc.get(self._aliases.get(name, name), R)
 
-    def forward(self, *args, **kwargs):
+    def _flat(self, args, kwargs):
         if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list, dict)):
             args, kwargs = batch_args(args[0])
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise TypeError(f"batch structure {spec} differs from the example batch's {self._in_spec}")
-        return self.graph_module(*flat)[0]
+        return flat
+
+    def forward(self, *args, **kwargs):
+        if self._pipeline is not None:
+            raise RuntimeError("a pipelined model runs whole steps: call train_step(batch) (forward and backward "
+                               "over the microbatches by the schedule)")
+        return self.graph_module(*self._flat(args, kwargs))[0]
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of one batch, split into ``microbatches``; gradients accumulate
+        in ``.grad`` (the optimizer step is the caller's). Returns the batch's loss (detached),
+        on every rank: each microbatch's loss is weighted 1/m, which is the whole batch's mean
+        loss when the model's loss is a mean over equal microbatches."""
+        flat = self._flat(args, kwargs)
+        m = self.microbatches
+        names = [f"input {i}" for i in range(len(flat))]
+        micro = split_batch(flat, m, names)
+        weights = [1.0 / m] * m
+        if self._pipeline is None:
+            total = None
+            for mb, w in zip(micro, weights):
+                loss = self.graph_module(*mb)[0]
+                (loss * w).backward()
+                total = loss.detach() * w if total is None else total + loss.detach() * w
+            return total
+        total = self._pipeline.runner.run(micro, weights)
+        self._sum_shared_grads()
+        return self._broadcast_loss(total)
+
+    def _sum_shared_grads(self) -> None:
+        """Weights used on several pipeline ranks (a tied embedding and LM head): sum their
+        gradients over the pipeline group, as the unmodified model sums both uses."""
+        shared = self._pipeline.stage.shared
+        if not shared or self.pp_size == 1:
+            return
+        params = self._pipeline.stage.params
+        dev = self._pipeline.runner.device
+        flat = []
+        for name, (shape, dtype) in shared.items():
+            p = params.get(name)
+            g = p.grad if p is not None and p.grad is not None else torch.zeros(shape, dtype=dtype, device=dev)
+            flat.append(g.reshape(-1))
+        buf = torch.cat(flat)
+        dist.all_reduce(buf, group=self._axes["pp"].group)
+        off = 0
+        for name, (shape, dtype) in shared.items():
+            n = math.prod(shape)
+            p = params.get(name)
+            if p is not None:
+                p.grad = buf[off:off + n].view(shape).clone()
+            off += n
+
+    def _broadcast_loss(self, total: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.pp_size == 1:
+            return total
+        ax = self._axes["pp"]
+        t = total.float().reshape(()) if total is not None else torch.zeros((), device=self._pipeline.runner.device)
+        dist.broadcast(t, src=ax.ranks[-1], group=ax.group)
+        return t
 
     # ---- gathering shards ------------------------------------------------------
     def _gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         plc = self.placement(name)
         if self.tp_size == 1 or plc == R:
             return local.detach().clone()
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        pg = _resolve_process_group(self._group_name)
+        pg = self._axes["tp"].group
         parts = [torch.empty_like(local) for _ in range(self.tp_size)]
         dist.all_gather(parts, local.detach().contiguous(), group=pg)
         return join_shards(parts, plc)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Whole parameters (collective over tp: every rank must call it), under
-        every name the unmodified model uses, tied names included."""
+        every name the unmodified model uses, tied names included. With pipeline
+        parallelism: the parameters of this rank's stage."""
         out = {n: self._gather(n, p) for n, p in self.named_parameters()}
         for alias, canon in self._aliases.items():
-            out[alias] = out[canon]
+            if canon in out:
+                out[alias] = out[canon]
         return out
 
     def full_grads(self) -> Dict[str, torch.Tensor]:
-        """Whole gradients of every parameter (collective over tp)."""
+        """Whole gradients of this rank's parameters (collective over tp)."""
         return {n: self._gather(n, p.grad) for n, p in self.named_parameters() if p.grad is not None}
 
     def dump(self, directory: str) -> None:
-        """Write this rank's transformed graph, placements, collectives and decisions."""
+        """Write this rank's transformed graph(s), placements, collectives and decisions."""
         info = {"tp": f"{self.tp_size} (rank {self.tp_rank})",
+                "pp": f"{self.pp_size} (rank {self.pp_rank})",
                 "sequence parallel": str(self._plan.sequence_parallel),
                 "recompute": str(self._recompute),
+                "microbatches": str(self.microbatches),
                 "planning attempts": str(self._plan.attempts)}
         for name, why in self._plan.replicated_params.items():
             info[f"kept replicated: {name}"] = why
-        write_dump(f"{directory}/rank{dist.get_rank() if dist.is_initialized() else 0}", self.graph_module, info)
+        root = f"{directory}/rank{dist.get_rank() if dist.is_initialized() else 0}"
+        if self._pipeline is None:
+            write_dump(root, self.graph_module, info)
+            return
+        sched = self._pipeline.schedule
+        info["schedule"] = f"{sched.name} p={sched.p} v={sched.v} m={sched.m}"
+        for c in self._pipeline.chunks:
+            info[f"chunk {c.index}"] = (f"rank {c.index % sched.p}; units {c.units[0]} .. {c.units[-1]} "
+                                        f"({len(c.units)}); cost {c.cost:.3g}; sends {c.boundary_out}")
+        info["actions"] = " ".join(str(a) for a in sched.ranks[self.pp_rank])
+        for k, mod in self._pipeline.stage.modules.items():
+            write_dump(f"{root}/chunk{k}", mod, info)
 
 
 def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: bool = False,
-                recompute="none", state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False) -> ParallelModel:
-    """Trace ``model`` on ``example_batch`` and return this rank's tensor-parallel piece.
+                recompute="none", microbatches: int = 1, virtual_stages: int = 1,
+                schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
+                state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False) -> ParallelModel:
+    """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
-    ``mesh``: a torch DeviceMesh with a "tp" dim (or None: one process, no split).
+    ``mesh``: a torch DeviceMesh with dims named "tp" and/or "pp" (or None: one process).
     ``example_batch``: what ``model`` is called with (tuple -> positional, dict ->
     keyword); its forward must return the loss. ``sequence_parallel``: norms, dropout
     and residual adds run on sequence shards between tensor-parallel regions (g becomes
     a reduce-scatter, f an all-gather). ``recompute``: "none", "selective" (attention
-    core), "full" (each transformer block) or a ``RecomputePolicy``. Weights come from ``state_dict``,
-    else from the model, else (meta model) are initialised shard by shard.
+    core), "full" (each transformer block) or a ``RecomputePolicy``.
+    Pipeline: the graph is cut into pp·``virtual_stages`` chunks at transformer blocks
+    (balanced by cost, or ``blocks_per_chunk``), chunk c on pp rank c % pp, run by
+    ``schedule`` ("gpipe", "1f1b", "interleaved"; default 1f1b, or interleaved when
+    virtual_stages > 1) over ``microbatches`` per ``train_step``.
+    Weights come from ``state_dict``, else from the model, else (meta model) are
+    initialised shard by shard. ``seed``: for that initialisation and
+    for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).
     """
-    tp = _tp_group(mesh)
+    axes = _mesh_axes(mesh)
+    tp, pp = axes["tp"], axes["pp"]
+    pipelined = pp.size > 1 or virtual_stages > 1
+    sched = None
+    if pipelined:   # check the layout before the (long) transformation
+        sched = make_schedule(schedule or ("interleaved" if virtual_stages > 1 else "1f1b"),
+                              pp.size, virtual_stages, microbatches)
+    elif schedule not in (None, "gpipe", "1f1b"):
+        raise ScheduleError(f"schedule={schedule!r} needs a pipeline (a 'pp' mesh dim > 1 or virtual_stages > 1)")
     device = _runtime_device(mesh)
     timings = {}
     t0 = time.perf_counter()
-    cap = capture(model, example_batch)
+    cap = capture(model, _first_microbatch(example_batch, microbatches))
     timings["capture_s"] = time.perf_counter() - t0
     gm = cap.gm
     t0 = time.perf_counter()
-    plan = plan_tensor_parallel(gm, tp[0], cap.params.keys(), sequence_parallel)
-    apply_tensor_parallel(gm, plan, tp[1], tp[2])
-    apply_counter_rng(gm, tp[1], tp[0], seed)
+    plan = plan_tensor_parallel(gm, tp.size, cap.params.keys(), sequence_parallel)
+    apply_tensor_parallel(gm, plan, tp.rank, tp.group_name)
+    apply_counter_rng(gm, tp.rank, tp.size, seed)
     timings["tensor_parallel_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    local = assemble_local(gm, cap, plan, tp[1], tp[0], device, state_dict, seed)
+    local = assemble_local(gm, cap, plan, tp.rank, tp.size, "meta" if pipelined else device, state_dict, seed)
     timings["materialize_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     _check_local_shapes(local, cap)
@@ -154,11 +301,37 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
         getattr(local, RNG_ATTR).step = 0   # the shape check ran one forward
     timings["shape_check_s"] = time.perf_counter() - t0
     apply_recompute(local, recompute)
+    pipe = None
+    if pipelined:
+        t0 = time.perf_counter()
+        chunks = split_pipeline(local, pp.size * virtual_stages, blocks_per_chunk=blocks_per_chunk)
+        placeholders = [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"]
+        specs = boundary_specs(chunks, placeholders)
+        stage = build_stage(chunks, pp.size, pp.rank, cap, plan.param_plc, tp.rank, tp.size, device,
+                            state_dict, seed, local)
+        runner = StageRunner(sched, pp.rank, stage.modules, {c.index: c.batch_inputs for c in chunks}, specs,
+                             pp.ranks, pp.group, device)
+        pipe = Pipeline(sched, chunks, stage, runner)
+        timings["pipeline_s"] = time.perf_counter() - t0
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print("fxmegatron: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()), flush=True)
-    pm = ParallelModel(local, cap, plan, tp, timings)
+    pm = ParallelModel(None if pipelined else local, cap, plan, axes, timings, microbatches, pipe)
+    if pipelined:
+        pm._meta = [local]   # a plain list: not a submodule, its parameters are meta
     pm._recompute = recompute if isinstance(recompute, str) else getattr(recompute, "name", str(recompute))
     return pm
+
+
+def _first_microbatch(batch, m: int):
+    """The graph is traced at microbatch size (shapes are static): the example batch's first
+    1/m along dim 0 of every tensor."""
+    if m < 1:
+        raise ScheduleError(f"microbatches={m}: must be >= 1")
+    if m == 1:
+        return batch
+    flat, spec = pytree.tree_flatten(batch)
+    names = [f"example batch input {i}" for i in range(len(flat))]
+    return pytree.tree_unflatten(split_batch(flat, m, names)[0], spec)
 
 
 def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, world: int, device,
@@ -174,8 +347,9 @@ def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, w
                                                 device, state_dict, seed)
         elif node.target in cap.buffers:
             root[node.target] = cap.buffers[node.target].to(device)
-        else:
-            root[node.target] = getattr(gm, node.target)
+        else:   # lifted constants and submodules (the dropout RNG)
+            t = getattr(gm, node.target)
+            root[node.target] = t.to(device) if isinstance(t, torch.Tensor) else t
     local = fx.GraphModule(root, gm.graph)
     return retarget_device(local, device)
 

@@ -166,7 +166,10 @@ def _unlift(ep, model, args, kwargs, device) -> Captured:
         else:
             new = graph.node_copy(node, lambda n: env[n])
             if node.op == "get_attr":
-                root[node.target] = getattr(src, node.target)
+                sub = getattr(src, node.target)
+                if isinstance(sub, fx.GraphModule):   # body of a higher-order op (e.g. a no_grad region)
+                    sub = _drop_metadata_asserts(sub)
+                root[node.target] = sub
         env[node] = new
     gm = fx.GraphModule(root, graph)
     in_spec = pytree.tree_flatten((args, kwargs))[1]
@@ -191,9 +194,20 @@ def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     def fix(a):
         return device if isinstance(a, torch.device) and a != device else a
 
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            node.args = fx.node.map_aggregate(node.args, fix)
-            node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+    for mod in gm.modules():     # also the bodies of higher-order ops
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        for node in mod.graph.nodes:
+            if node.op == "call_function":
+                node.args = fx.node.map_aggregate(node.args, fix)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+        mod.recompile()
+    return gm
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
     gm.recompile()
     return gm

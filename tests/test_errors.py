@@ -57,9 +57,9 @@ def test_mesh_size_not_world_size():
         fxmegatron.parallelize(_gpt(), mesh, _batch())
 
 
-def test_mesh_without_tp_dim():
-    mesh = types.SimpleNamespace(mesh_dim_names=("dp",), size=lambda: 1, shape=(1,), device_type="cpu")
-    with pytest.raises(MeshError, match="needs one named 'tp'"):
+def test_mesh_with_unknown_dim():
+    mesh = types.SimpleNamespace(mesh_dim_names=("data",), size=lambda: 1, shape=(1,), device_type="cpu")
+    with pytest.raises(MeshError, match="needs dims named from"):
         fxmegatron.parallelize(_gpt(), mesh, _batch())
 
 

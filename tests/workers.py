@@ -82,3 +82,42 @@ def dropout_runs(rank, world, names, layouts, steps=2, p=0.1):
                                         sequence_parallel=sp, recompute=rc)
             out[name][(sp, rc)] = _run_steps(pm, name, steps)
     return out
+
+
+def pp_mesh(world, pp):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "tp"))
+
+
+def pipeline_parity(rank, world, pp, names, configs, n_layer=8, batch_size=8, steps=2):
+    """For each model and (schedule, virtual_stages, microbatches): losses of ``steps`` AdamW steps
+    and first-step gradients (this rank's parameters) of fxmegatron at (pp, tp=world/pp), next to
+    the unmodified model's."""
+    import fxmegatron
+
+    mesh = pp_mesh(world, pp)
+    out = {}
+    for name in names:
+        model = models.build(name, n_layer=n_layer)
+        for sched, v, m in configs:
+            ref = copy.deepcopy(model)
+            pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=batch_size),
+                                        microbatches=m, virtual_stages=v, schedule=sched)
+            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+            losses, losses_ref, grad_err = [], [], {}
+            for step in range(steps):
+                b = models.batch(name, seed=step, batch_size=batch_size)
+                lr_ = models.call(ref, b)
+                lr_.backward()
+                loss = pm.train_step(b)
+                losses_ref.append(lr_.item())
+                losses.append(loss.item())
+                if step == 0:
+                    full = pm.full_grads()
+                    scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
+                    grad_err = {n: rel_err(full[n], p.grad, scale) for n, p in ref.named_parameters() if n in full}
+                opt_ref.step(); opt_ref.zero_grad()
+                opt.step(); opt.zero_grad()
+            out[(name, sched, v, m)] = {"losses": losses, "losses_ref": losses_ref, "grad_err": grad_err}
+    return out

@@ -1,0 +1,250 @@
+"""Execute one pipeline rank's actions: chunks forward and backward, P2P between stages.
+
+* Consecutive send/recv actions are posted together with ``batch_isend_irecv``;
+  a receive is waited on when a compute needs it, sends at the end of the step.
+* Each message has its own tag (direction, boundary, microbatch, tensor), so
+  gloo never pairs a send with the wrong receive.
+* Waits poll, and a rank that fails writes its error into the process group's
+  store: the other ranks see it while they wait and raise ``PipelineError``
+  naming the failed rank, instead of hanging in a receive that never completes.
+* Loss: microbatch i's loss is scaled by ``weights[i]`` before its backward, so
+  that the sum over microbatches is the whole batch's loss (for a mean loss
+  over equal microbatches, weights are 1/m).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..errors import FxMegatronError
+from .actions import Action, Schedule
+
+ERROR_KEY = "fxmegatron/pipeline_error"
+
+
+class PipelineError(FxMegatronError, RuntimeError):
+    """Another pipeline rank failed while this one waited for it."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    grad: bool          # a gradient flows back across the boundary for this tensor
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:   # not initialised, or a backend without a store
+        return None
+
+
+def report_failure(exc: BaseException) -> None:
+    """Tell the other ranks (through the store) that this rank failed."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(ERROR_KEY, f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"[:2000])
+    except Exception:
+        pass
+
+
+def _check_peers(store) -> None:
+    if store is not None and store.check([ERROR_KEY]):
+        raise PipelineError("pipeline rank failed: " + store.get(ERROR_KEY).decode(errors="replace"))
+
+
+def wait_all(works, store=None, poll_s: float = 0.5) -> None:
+    """Wait for ``works``; every ``poll_s`` look whether another rank reported a failure.
+
+    Gloo's send/recv works cannot be polled (``is_completed`` stays false until
+    ``wait``, and a ``wait`` with a timeout breaks the connection), so a helper
+    thread does the blocking wait while this one watches the store.
+    """
+    works = [w for w in works if w is not None]
+    if not works:
+        return
+    if store is None:
+        for w in works:
+            w.wait()
+        return
+    errors: List[BaseException] = []
+
+    def _wait():
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as exc:   # re-raised in the caller's thread
+            errors.append(exc)
+
+    t = threading.Thread(target=_wait, daemon=True, name="fxmegatron-p2p-wait")
+    t.start()
+    while True:
+        t.join(poll_s)
+        if not t.is_alive():
+            break
+        _check_peers(store)
+    if errors:
+        _check_peers(store)     # a peer's own error explains a broken connection best
+        raise errors[0]
+
+
+class StageRunner:
+    """Runs one pipeline rank's part of a ``Schedule``.
+
+    ``chunks``: this rank's chunk modules by global chunk index, each called as
+    ``chunk(*boundary_in, *batch_inputs)``. ``batch_inputs[c]``: positions in the
+    flat batch that chunk c reads. ``specs[c]``: the tensors chunk c sends to
+    chunk c+1 (shapes at microbatch size). ``peers``: global rank of each
+    pipeline rank. ``group``: the pipeline process group (None for p == 1).
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, chunks: Dict[int, torch.nn.Module],
+                 batch_inputs: Dict[int, List[int]], specs: Dict[int, List[TensorSpec]],
+                 peers: Sequence[int], group, device):
+        self.schedule, self.rank, self.chunks = schedule, rank, chunks
+        self.batch_inputs, self.specs, self.peers, self.group = batch_inputs, specs, list(peers), group
+        self.device = device
+        self.n_chunks = schedule.p * schedule.v
+        self.max_tensors = max([len(s) for s in specs.values()] + [1])
+
+    # ---- tags: one per (direction, boundary, microbatch, tensor) --------------
+    def _tag(self, backward: bool, boundary: int, mb: int, j: int) -> int:
+        return ((int(backward) * self.n_chunks + boundary) * self.schedule.m + mb) * self.max_tensors + j
+
+    def run(self, microbatches: List[List], weights: Sequence[float]) -> Optional[Tensor]:
+        """Run the schedule over ``microbatches`` (flat inputs each); returns the sum of the
+        weighted microbatch losses on the rank holding the last chunk, else None."""
+        try:
+            return self._run(microbatches, weights)
+        except PipelineError:
+            raise
+        except BaseException as exc:
+            report_failure(exc)
+            raise
+
+    def _run(self, microbatches, weights):
+        store = _store() if self.group is not None else None
+        acts = self.schedule.ranks[self.rank]
+        inputs: Dict[Tuple[int, int], List] = {}        # (mb, chunk) -> boundary inputs (leaves)
+        outputs: Dict[Tuple[int, int], object] = {}     # (mb, chunk) -> outputs / loss
+        out_grads: Dict[Tuple[int, int], List] = {}     # (mb, chunk) -> grads of its outputs
+        in_grads: Dict[Tuple[int, int], List] = {}      # (mb, chunk) -> grads of its inputs
+        recv_work: Dict[Tuple[str, int, int], list] = {}
+        send_work: list = []
+        total = None
+        i = 0
+        while i < len(acts):
+            a = acts[i]
+            if not a.is_compute:
+                j = i
+                ops = []
+                while j < len(acts) and not acts[j].is_compute:
+                    ops += self._p2p(acts[j], outputs, in_grads, inputs, out_grads, recv_work)
+                    j += 1
+                if ops:
+                    works = dist.batch_isend_irecv([op for op, _ in ops])
+                    for (op, key), w in zip(ops, works):
+                        (send_work if key is None else recv_work.setdefault(key, [])).append(w)
+                i = j
+                continue
+            key = (a.microbatch, a.chunk)
+            if a.kind == "F":
+                self._await(recv_work.pop(("F",) + key, []), store)
+                out = self._forward(a, microbatches[a.microbatch], inputs, outputs)
+                if a.chunk == self.n_chunks - 1:
+                    loss = out[0] if isinstance(out, (tuple, list)) else out
+                    outputs[key] = loss
+                    total = loss.detach() * weights[a.microbatch] if total is None else \
+                        total + loss.detach() * weights[a.microbatch]
+            else:
+                self._await(recv_work.pop(("B",) + key, []), store)
+                self._backward(a, weights, inputs, outputs, out_grads, in_grads)
+            i += 1
+        self._await(send_work, store)
+        for w in recv_work.values():
+            self._await(w, store)
+        return total
+
+    def _await(self, works, store):
+        if works:
+            wait_all(works, store)
+
+    def _forward(self, a: Action, batch, inputs, outputs):
+        c, mb = a.chunk, a.microbatch
+        if c == 0:
+            boundary = []
+        elif (mb, c - 1) in outputs and self._local(c - 1):
+            boundary = [t.detach().requires_grad_(s.grad) if s.grad else t
+                        for t, s in zip(outputs[(mb, c - 1)], self.specs[c - 1])]
+        else:   # received buffers become autograd leaves once they have arrived
+            boundary = [t.requires_grad_(s.grad) if s.grad else t
+                        for t, s in zip(inputs[(mb, c)], self.specs[c - 1])]
+        inputs[(mb, c)] = boundary
+        out = self.chunks[c](*boundary, *[batch[k] for k in self.batch_inputs[c]])
+        if c != self.n_chunks - 1:
+            outputs[(mb, c)] = out
+        return out
+
+    def _local(self, c: int) -> bool:
+        return c % self.schedule.p == self.rank
+
+    def _backward(self, a: Action, weights, inputs, outputs, out_grads, in_grads):
+        c, mb = a.chunk, a.microbatch
+        out = outputs.pop((mb, c))
+        if c == self.n_chunks - 1:
+            torch.autograd.backward(out * weights[mb])
+        else:
+            grads = out_grads.pop((mb, c), None)
+            if grads is None:      # the next chunk ran here: take its input gradients
+                grads = in_grads.pop((mb, c + 1))
+            pairs = [(t, g) for t, g, s in zip(out, grads, self.specs[c]) if s.grad and t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        boundary = inputs.pop((mb, c))
+        if c > 0:
+            in_grads[(mb, c)] = [
+                (t.grad if t.grad is not None else torch.zeros_like(t)) if s.grad else None
+                for t, s in zip(boundary, self.specs[c - 1])]
+
+    def _p2p(self, a: Action, outputs, in_grads, inputs, out_grads, recv_work):
+        """(P2POp, recv key or None) for one communication action."""
+        peer = self.peers[a.peer]
+        ops = []
+        if a.kind == "SEND_F":
+            for j, (t, s) in enumerate(zip(outputs[(a.microbatch, a.chunk)], self.specs[a.chunk])):
+                ops.append((dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group,
+                                       self._tag(False, a.chunk, a.microbatch, j)), None))
+        elif a.kind == "RECV_F":
+            bufs = []
+            for j, s in enumerate(self.specs[a.chunk - 1]):
+                buf = torch.empty(s.shape, dtype=s.dtype, device=self.device)
+                bufs.append(buf)
+                ops.append((dist.P2POp(dist.irecv, buf, peer, self.group,
+                                       self._tag(False, a.chunk - 1, a.microbatch, j)), ("F", a.microbatch, a.chunk)))
+            inputs[(a.microbatch, a.chunk)] = bufs
+        elif a.kind == "SEND_B":
+            grads = in_grads.pop((a.microbatch, a.chunk))
+            for j, (g, s) in enumerate(zip(grads, self.specs[a.chunk - 1])):
+                if s.grad:
+                    ops.append((dist.P2POp(dist.isend, g.contiguous(), peer, self.group,
+                                           self._tag(True, a.chunk - 1, a.microbatch, j)), None))
+        elif a.kind == "RECV_B":
+            grads = []
+            for j, s in enumerate(self.specs[a.chunk]):
+                if not s.grad:
+                    grads.append(None)
+                    continue
+                buf = torch.empty(s.shape, dtype=s.dtype, device=self.device)
+                grads.append(buf)
+                ops.append((dist.P2POp(dist.irecv, buf, peer, self.group,
+                                       self._tag(True, a.chunk, a.microbatch, j)), ("B", a.microbatch, a.chunk)))
+            out_grads[(a.microbatch, a.chunk)] = grads
+        return ops

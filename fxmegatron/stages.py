@@ -1,0 +1,120 @@
+"""A rank's pipeline stage: its chunks, with only their parameters materialised.
+
+The whole (tensor-parallel) graph is first built with meta parameters; after
+``split_pipeline`` a rank materialises the parameters its own chunks use and
+nothing else. Shapes of what crosses each boundary, at microbatch size, come from
+propagating fake microbatch inputs through every chunk in order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .capture import Captured, retarget_device
+from .errors import FxMegatronError
+from .materialize import local_parameter
+from .passes.pipeline_split import Chunk
+from .placement import R
+from .rng import DropoutRng
+from .schedules.runtime import TensorSpec
+
+
+def split_batch(flat: Sequence, m: int, names: Sequence[str]) -> List[List]:
+    """``m`` microbatches: every tensor of the flat batch split along dim 0."""
+    out = [[] for _ in range(m)]
+    for x, name in zip(flat, names):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.shape[0] % m:
+                raise FxMegatronError(f"batch input {name!r} has {x.shape[0]} rows along dim 0, which "
+                                      f"microbatches={m} does not divide")
+            for i, piece in enumerate(x.chunk(m, 0)):
+                out[i].append(piece)
+        else:
+            for i in range(m):
+                out[i].append(x)
+    return out
+
+
+def boundary_specs(chunks: Sequence[Chunk], placeholder_vals: Sequence) -> Dict[int, List[TensorSpec]]:
+    """What each chunk sends to the next (fake propagation on meta; the graph is traced at
+    microbatch size)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    micro = [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+             for v in placeholder_vals]
+    specs: Dict[int, List[TensorSpec]] = {}
+    carried: List = []
+    with mode:
+        for c in chunks:
+            args = list(carried) + [micro[i] for i in c.batch_inputs]
+            out = FakeTensorProp(c.gm, mode).propagate(*args)
+            if c.boundary_out:
+                specs[c.index] = [TensorSpec(tuple(t.shape), t.dtype, g) for t, g in zip(out, c.boundary_grad)]
+                carried = list(out)
+    for c in chunks:
+        for _, mod in c.gm.named_modules():
+            if isinstance(mod, DropoutRng):
+                mod.step = 0     # the propagation above ran forwards
+    return specs
+
+
+@dataclass
+class Stage:
+    """This pipeline rank's chunks (materialised) and what the runtime needs to run them."""
+
+    modules: Dict[int, fx.GraphModule]           # global chunk index -> module
+    params: Dict[str, nn.Parameter]             # canonical name -> local shard, shared by the chunks
+    shared: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+
+def build_stage(chunks: Sequence[Chunk], p: int, pp_rank: int, cap: Captured, param_plc, tp_rank: int,
+                tp: int, device, state_dict: Optional[Mapping], seed: int, meta_gm: fx.GraphModule) -> Stage:
+    """Materialise the parameters of the chunks on ``pp_rank`` (chunk c lives on rank c % p)."""
+    params: Dict[str, nn.Parameter] = {}
+    modules = {}
+    for c in chunks:
+        if c.index % p != pp_rank:
+            continue
+        root = {}
+        for node in c.gm.graph.nodes:
+            if node.op == "get_attr":
+                t = node.target
+                if t in cap.params:
+                    if t not in params:
+                        params[t] = local_parameter(t, cap.params[t], param_plc.get(t, R), tp_rank, tp,
+                                                    device, state_dict, seed)
+                    root[t] = params[t]
+                elif t in cap.buffers:
+                    root[t] = cap.buffers[t].to(device)
+                else:
+                    root[t] = c.gm.get_submodule(t) if _is_module(c.gm, t) else getattr(c.gm, t)
+            elif node.op == "call_module":
+                root[node.target] = c.gm.get_submodule(node.target)
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(c.gm.graph, {}))
+        modules[c.index] = retarget_device(fx.GraphModule(root, graph), device)
+    # weights used on several pipeline ranks (tied embedding / LM head): gradients summed over pp
+    holders: Dict[str, set] = {}
+    for c in chunks:
+        for name in c.params:
+            if name in cap.params:
+                holders.setdefault(name, set()).add(c.index % p)
+    shared = {}
+    for name, ranks in sorted(holders.items()):
+        if len(ranks) > 1:
+            t = meta_gm.get_parameter(name)
+            shared[name] = (tuple(t.shape), t.dtype)
+    return Stage(modules, params, shared)
+
+
+def _is_module(gm: nn.Module, target: str) -> bool:
+    try:
+        gm.get_submodule(target)
+        return True
+    except AttributeError:
+        return False
