@@ -1,6 +1,8 @@
-"""Tensor-parallel the bundled GPT at tp=WORLD on CPU and compare with the unmodified model.
+"""Parallelize the bundled GPT on CPU (tp = WORLD / pp) and compare with the unmodified model.
 
     torchrun --standalone --nproc_per_node 2 examples/tp_demo.py
+    torchrun --standalone --nproc_per_node 4 examples/tp_demo.py --pp 2 --microbatches 4 \
+        --virtual-stages 2 --schedule interleaved
 
 Every rank builds the same model (same seed), keeps an unmodified copy as the
 reference, parallelizes the other, trains both for a few AdamW steps on the
@@ -29,6 +31,10 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (tp = world / pp)")
+    ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--virtual-stages", type=int, default=1)
+    ap.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"])
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -36,15 +42,19 @@ def main():
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=args.layers, n_head=8, n_embd=128)
     model = GPT(cfg)
     reference = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=torch.Generator().manual_seed(1))
+    if world % args.pp:
+        raise SystemExit(f"--pp {args.pp} does not divide the {world} processes")
+    mesh = init_device_mesh("cpu", (args.pp, world // args.pp), mesh_dim_names=("pp", "tp"))
+    tokens = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=torch.Generator().manual_seed(1))
     batch = (tokens[:, :-1], tokens[:, 1:])
     pm = fxmegatron.parallelize(model, mesh, batch, sequence_parallel=args.sequence_parallel,
-                                recompute=args.recompute, verbose=True)
+                                recompute=args.recompute, microbatches=args.microbatches,
+                                virtual_stages=args.virtual_stages, schedule=args.schedule, verbose=True)
     n_local = sum(p.numel() for p in pm.parameters())
     n_full = sum(p.numel() for p in reference.parameters())
     if rank == 0:
-        print(f"bundled GPT: {args.layers} layers, h {cfg.n_embd}, {cfg.n_head} heads; tp={world}, "
+        print(f"bundled GPT: {args.layers} layers, h {cfg.n_embd}, {cfg.n_head} heads; pp={args.pp} "
+              f"(v={args.virtual_stages}, {args.microbatches} microbatches), tp={world // args.pp}, "
               f"sequence parallel {args.sequence_parallel}, recompute {args.recompute}; "
               f"rank 0 holds {n_local:,} of {n_full:,} parameters")
         print(f"{'step':>4s}  {'fxmegatron loss':>16s}  {'unmodified loss':>16s}  {'rel. diff':>9s}")
@@ -52,8 +62,7 @@ def main():
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     worst = 0.0
     for step in range(args.steps):
-        loss = pm(batch)
-        loss.backward()
+        loss = pm.train_step(batch)      # forward + backward over the microbatches / pipeline schedule
         opt.step(); opt.zero_grad()
         ref = reference(*batch)
         ref.backward()

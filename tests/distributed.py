@@ -20,7 +20,11 @@ def _worker(rank, world, fn, args, tmp):
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(f"{tmp}/result{rank}", "wb") as f:
         pickle.dump(result, f)
-    dist.destroy_process_group()
+    # no destroy_process_group: after a pipeline failure a receive may still be pending, and
+    # tearing gloo down under it aborts; the process ends here either way
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world, *args):

@@ -89,7 +89,7 @@ def pp_mesh(world, pp):
     return init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "tp"))
 
 
-def pipeline_parity(rank, world, pp, names, configs, n_layer=8, batch_size=8, steps=2):
+def pipeline_parity(rank, world, pp, names, configs, n_layer=8, batch_size=8, steps=2, extra=None):
     """For each model and (schedule, virtual_stages, microbatches): losses of ``steps`` AdamW steps
     and first-step gradients (this rank's parameters) of fxmegatron at (pp, tp=world/pp), next to
     the unmodified model's."""
@@ -102,7 +102,7 @@ def pipeline_parity(rank, world, pp, names, configs, n_layer=8, batch_size=8, st
         for sched, v, m in configs:
             ref = copy.deepcopy(model)
             pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=batch_size),
-                                        microbatches=m, virtual_stages=v, schedule=sched)
+                                        microbatches=m, virtual_stages=v, schedule=sched, **(extra or {}))
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
             opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
             losses, losses_ref, grad_err = [], [], {}
@@ -121,3 +121,34 @@ def pipeline_parity(rank, world, pp, names, configs, n_layer=8, batch_size=8, st
                 opt.step(); opt.zero_grad()
             out[(name, sched, v, m)] = {"losses": losses, "losses_ref": losses_ref, "grad_err": grad_err}
     return out
+
+
+def pipeline_failure(rank, world, fail_rank, microbatches=4):
+    """Pipeline rank ``fail_rank`` raises in its third chunk call; every rank returns
+    (exception type, message, seconds from the start of train_step to the exception)."""
+    import time
+
+    import fxmegatron
+
+    mesh = pp_mesh(world, world)
+    name = "gpt"
+    pm = fxmegatron.parallelize(models.build(name, n_layer=4), mesh, models.batch(name, batch_size=8),
+                                microbatches=microbatches)
+    runner = pm._pipeline.runner
+    if pm.pp_rank == fail_rank:
+        (c, chunk), = runner.chunks.items()
+        calls = []
+
+        def sabotaged(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise ValueError(f"injected failure in chunk {c}")
+            return chunk(*args)
+
+        runner.chunks[c] = sabotaged
+    t0 = time.time()
+    try:
+        pm.train_step(models.batch(name, batch_size=8))
+        return ("none", "", time.time() - t0)
+    except Exception as exc:
+        return (type(exc).__name__, str(exc), time.time() - t0)
