@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .capture import Captured, batch_args, capture, retarget_device
+from .data_parallel import GradSync
 from .dump import write_dump
 from .errors import MeshError, ShardingError
 from .materialize import local_parameter
@@ -28,7 +29,7 @@ from .schedules.runtime import StageRunner
 from .stages import Stage, boundary_specs, build_stage, split_batch
 
 _KNOWN_DIMS = ("dp", "pp", "tp")
-_SUPPORTED_DIMS = ("pp", "tp")
+_SUPPORTED_DIMS = ("dp", "pp", "tp")
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,9 @@ class Axis:
 
 
 def _mesh_axes(mesh) -> Dict[str, Axis]:
-    """{"tp": Axis, "pp": Axis} from a DeviceMesh, after checking it."""
+    """{"dp": Axis, "pp": Axis, "tp": Axis} from a DeviceMesh, after checking it."""
     if mesh is None:
-        return {"tp": Axis(), "pp": Axis()}
+        return {"dp": Axis(), "tp": Axis(), "pp": Axis()}
     names = tuple(mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in _KNOWN_DIMS]
     if not names or unknown:
@@ -66,7 +67,7 @@ def _mesh_axes(mesh) -> Dict[str, Axis]:
         if n not in _SUPPORTED_DIMS and s > 1:
             raise MeshError(f"mesh dim {n!r} of size {s} is not supported yet (supported: {_SUPPORTED_DIMS})")
     axes = {}
-    for n in ("tp", "pp"):
+    for n in ("dp", "tp", "pp"):
         if n not in names:
             axes[n] = Axis()
             continue
@@ -112,11 +113,15 @@ class ParallelModel(nn.Module):
         self._in_spec = captured.in_spec
         self._aliases = captured.aliases
         self._order = list(captured.params)
+        # global (unsplit) shape and dtype of every parameter, for gathering and checkpoints
+        self._global = {n: (tuple(t.shape), t.dtype) for n, t in captured.params.items()}
         self._plan = plan
         self._axes = axes
         self.tp_size, self.tp_rank, self._group_name = axes["tp"].size, axes["tp"].rank, axes["tp"].group_name
         self.pp_size, self.pp_rank = axes["pp"].size, axes["pp"].rank
+        self.dp_size, self.dp_rank = axes["dp"].size, axes["dp"].rank
         self.microbatches = microbatches
+        self._grad_sync: Optional[GradSync] = None
         self.timings = timings
         self._recompute = "none"
         self._pipeline = pipeline
@@ -146,10 +151,19 @@ class ParallelModel(nn.Module):
             raise TypeError(f"batch structure {spec} differs from the example batch's {self._in_spec}")
         return flat
 
+    @property
+    def dp_group(self):
+        """The data-parallel process group (None without a "dp" dim), e.g. for
+        ``torch.distributed.optim.ZeroRedundancyOptimizer(..., process_group=pm.dp_group)``."""
+        return self._axes["dp"].group
+
     def forward(self, *args, **kwargs):
         if self._pipeline is not None:
             raise RuntimeError("a pipelined model runs whole steps: call train_step(batch) (forward and backward "
                                "over the microbatches by the schedule)")
+        if self.dp_size > 1:
+            raise RuntimeError("with data parallelism, call train_step(batch) with the global batch: it takes this "
+                               "rank's share and averages gradients over dp")
         return self.graph_module(*self._flat(args, kwargs))[0]
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
@@ -160,18 +174,30 @@ class ParallelModel(nn.Module):
         flat = self._flat(args, kwargs)
         m = self.microbatches
         names = [f"input {i}" for i in range(len(flat))]
+        if self.dp_size > 1:    # this data-parallel rank's share of the global batch
+            flat = split_batch(flat, self.dp_size, names, f"dp={self.dp_size}")[self.dp_rank]
         micro = split_batch(flat, m, names)
         weights = [1.0 / m] * m
+        if self._grad_sync is not None:
+            self._grad_sync.start(m)
         if self._pipeline is None:
             total = None
             for mb, w in zip(micro, weights):
                 loss = self.graph_module(*mb)[0]
                 (loss * w).backward()
                 total = loss.detach() * w if total is None else total + loss.detach() * w
-            return total
-        total = self._pipeline.runner.run(micro, weights)
-        self._sum_shared_grads()
-        return self._broadcast_loss(total)
+        else:
+            total = self._pipeline.runner.run(micro, weights)
+        if self._grad_sync is not None:
+            self._grad_sync.finish()
+        if self._pipeline is not None:
+            self._sum_shared_grads()
+            total = self._broadcast_loss(total)
+        if self.dp_size > 1:
+            total = total.detach().float().clone()
+            dist.all_reduce(total, group=self.dp_group)
+            total /= self.dp_size
+        return total
 
     def _sum_shared_grads(self) -> None:
         """Weights used on several pipeline ranks (a tied embedding and LM head): sum their
@@ -215,13 +241,32 @@ class ParallelModel(nn.Module):
         return join_shards(parts, plc)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Whole parameters (collective over tp: every rank must call it), under
-        every name the unmodified model uses, tied names included. With pipeline
-        parallelism: the parameters of this rank's stage."""
+        """Whole parameters under every name the unmodified model uses, tied names
+        included, on every rank: loads into the unmodified model with strict=True.
+        Collective over tp and pp: every rank must call it."""
         out = {n: self._gather(n, p) for n, p in self.named_parameters()}
+        if self._pipeline is not None and self.pp_size > 1:
+            out = self._gather_stages(out)
         for alias, canon in self._aliases.items():
             if canon in out:
                 out[alias] = out[canon]
+        return out
+
+    def _gather_stages(self, mine: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Each parameter broadcast over pp from the first stage that holds it."""
+        ax = self._axes["pp"]
+        holder: Dict[str, int] = {}
+        for c in self._pipeline.chunks:
+            for name in c.params:
+                if name in self._global:
+                    holder[name] = min(holder.get(name, ax.size), c.index % ax.size)
+        dev = self._pipeline.runner.device
+        out = {}
+        for name in self._order:
+            shape, dtype = self._global[name]
+            t = mine[name].to(dev) if name in mine else torch.empty(shape, dtype=dtype, device=dev)
+            dist.broadcast(t, src=ax.ranks[holder[name]], group=ax.group)
+            out[name] = t
         return out
 
     def full_grads(self) -> Dict[str, torch.Tensor]:
@@ -230,7 +275,8 @@ class ParallelModel(nn.Module):
 
     def dump(self, directory: str) -> None:
         """Write this rank's transformed graph(s), placements, collectives and decisions."""
-        info = {"tp": f"{self.tp_size} (rank {self.tp_rank})",
+        info = {"dp": f"{self.dp_size} (rank {self.dp_rank})",
+                "tp": f"{self.tp_size} (rank {self.tp_rank})",
                 "pp": f"{self.pp_size} (rank {self.pp_rank})",
                 "sequence parallel": str(self._plan.sequence_parallel),
                 "recompute": str(self._recompute),
@@ -273,7 +319,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).
     """
     axes = _mesh_axes(mesh)
-    tp, pp = axes["tp"], axes["pp"]
+    tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
     pipelined = pp.size > 1 or virtual_stages > 1
     sched = None
     if pipelined:   # check the layout before the (long) transformation
@@ -284,13 +330,14 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     device = _runtime_device(mesh)
     timings = {}
     t0 = time.perf_counter()
-    cap = capture(model, _first_microbatch(example_batch, microbatches))
+    cap = capture(model, _first_microbatch(example_batch, microbatches, dp.size))
     timings["capture_s"] = time.perf_counter() - t0
     gm = cap.gm
     t0 = time.perf_counter()
     plan = plan_tensor_parallel(gm, tp.size, cap.params.keys(), sequence_parallel)
     apply_tensor_parallel(gm, plan, tp.rank, tp.group_name)
-    apply_counter_rng(gm, tp.rank, tp.size, seed)
+    # data-parallel replicas see different samples: their dropout masks must differ too
+    apply_counter_rng(gm, tp.rank, tp.size, seed + 0x9E3779B1 * dp.rank)
     timings["tensor_parallel_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     local = assemble_local(gm, cap, plan, tp.rank, tp.size, "meta" if pipelined else device, state_dict, seed)
@@ -319,18 +366,30 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     if pipelined:
         pm._meta = [local]   # a plain list: not a submodule, its parameters are meta
     pm._recompute = recompute if isinstance(recompute, str) else getattr(recompute, "name", str(recompute))
+    if dp.size > 1:
+        uses = {}
+        if pipe is not None:
+            for c in pipe.chunks:
+                if c.index in pipe.stage.modules:
+                    for name in c.params:
+                        if name in pipe.stage.params:
+                            k = id(pipe.stage.params[name])
+                            uses[k] = uses.get(k, 0) + 1
+        pm._grad_sync = GradSync(list(pm.parameters()), uses, dp.group, dp.size)
     return pm
 
 
-def _first_microbatch(batch, m: int):
-    """The graph is traced at microbatch size (shapes are static): the example batch's first
-    1/m along dim 0 of every tensor."""
+def _first_microbatch(batch, m: int, dp: int = 1):
+    """The graph is traced at microbatch size (shapes are static): the example batch (the
+    global batch of a step) split over dp ranks, then into m microbatches; the first piece."""
     if m < 1:
         raise ScheduleError(f"microbatches={m}: must be >= 1")
-    if m == 1:
+    if m * dp == 1:
         return batch
     flat, spec = pytree.tree_flatten(batch)
     names = [f"example batch input {i}" for i in range(len(flat))]
+    if dp > 1:
+        flat = split_batch(flat, dp, names, f"dp={dp}")[0]
     return pytree.tree_unflatten(split_batch(flat, m, names)[0], spec)
 
 

@@ -25,14 +25,15 @@ from .rng import DropoutRng
 from .schedules.runtime import TensorSpec
 
 
-def split_batch(flat: Sequence, m: int, names: Sequence[str]) -> List[List]:
-    """``m`` microbatches: every tensor of the flat batch split along dim 0."""
+def split_batch(flat: Sequence, m: int, names: Sequence[str], what: Optional[str] = None) -> List[List]:
+    """``m`` pieces (microbatches, or data-parallel shares): every tensor of the flat batch
+    split along dim 0."""
     out = [[] for _ in range(m)]
     for x, name in zip(flat, names):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             if x.shape[0] % m:
                 raise FxMegatronError(f"batch input {name!r} has {x.shape[0]} rows along dim 0, which "
-                                      f"microbatches={m} does not divide")
+                                      f"{what or f'microbatches={m}'} does not divide")
             for i, piece in enumerate(x.chunk(m, 0)):
                 out[i].append(piece)
         else:

@@ -152,3 +152,127 @@ def pipeline_failure(rank, world, fail_rank, microbatches=4):
         return ("none", "", time.time() - t0)
     except Exception as exc:
         return (type(exc).__name__, str(exc), time.time() - t0)
+
+
+def mesh_3d(dp, pp, tp):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def dp_parity(rank, world, layout, names, steps=5, n_layer=4, batch_size=8, parallel_kwargs=None):
+    """Losses of ``steps`` AdamW steps at (dp, pp, tp) = layout, next to the unmodified model's,
+    and the first step's gradient errors of this rank's parameters."""
+    import fxmegatron
+
+    mesh = mesh_3d(*layout)
+    out = {}
+    for name in names:
+        model = models.build(name, n_layer=n_layer)
+        ref = copy.deepcopy(model)
+        pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=batch_size),
+                                    **(parallel_kwargs or {}))
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        losses, losses_ref, grad_err = [], [], {}
+        for step in range(steps):
+            b = models.batch(name, seed=step, batch_size=batch_size)
+            lr_ = models.call(ref, b)
+            lr_.backward()
+            losses_ref.append(lr_.item())
+            losses.append(pm.train_step(b).item())
+            if step == 0:
+                full = pm.full_grads()
+                scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
+                grad_err = {n: rel_err(full[n], p.grad, scale) for n, p in ref.named_parameters() if n in full}
+            opt_ref.step(); opt_ref.zero_grad()
+            opt.step(); opt.zero_grad()
+        out[name] = {"losses": losses, "losses_ref": losses_ref, "grad_err": grad_err}
+    return out
+
+
+def dp_overlap_and_zero(rank, world, steps=3):
+    """dp=world: small gradient buckets (reduced during backward), then ZeRO-1 (optimizer state
+    sharded over dp with torch's ZeroRedundancyOptimizer): losses next to the unmodified model's."""
+    import fxmegatron
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from fxmegatron.data_parallel import GradSync
+
+    mesh = mesh_3d(world, 1, 1)
+    name = "gpt"
+    model = models.build(name, n_layer=2)
+    ref = copy.deepcopy(model)
+    pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=8))
+    pm._grad_sync.remove()
+    pm._grad_sync = GradSync(list(pm.parameters()), {}, pm.dp_group, world, bucket_mb=0.02)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = ZeroRedundancyOptimizer(list(pm.parameters()), optimizer_class=torch.optim.AdamW,
+                                  process_group=pm.dp_group, lr=1e-3)
+    losses, losses_ref = [], []
+    for step in range(steps):
+        b = models.batch(name, seed=step, batch_size=8)
+        lr_ = models.call(ref, b)
+        lr_.backward()
+        losses_ref.append(lr_.item())
+        losses.append(pm.train_step(b).item())
+        opt_ref.step(); opt_ref.zero_grad()
+        opt.step(); opt.zero_grad()
+    local_state = sum(t.numel() for st in opt.optim.state.values() for t in st.values() if torch.is_tensor(t))
+    return {"losses": losses, "losses_ref": losses_ref, "buckets": len(pm._grad_sync.buckets),
+            "early": pm._grad_sync.launched_in_backward, "state_numel": local_state,
+            "param_numel": sum(p.numel() for p in pm.parameters())}
+
+
+def ckpt_run(rank, world, layout, steps, first_step=0, load_dir=None, save_dir=None, dropout=0.0,
+             name="gpt", microbatches=2):
+    """Train ``steps`` AdamW steps at layout (dp, pp, tp) from step ``first_step`` (batches are
+    seeded by the step), loading from / saving to a checkpoint; returns the losses (floats)."""
+    import fxmegatron
+    from fxmegatron import checkpoint
+
+    dp, pp, tp = layout
+    mesh = mesh_3d(dp, pp, tp)
+    model = models.build(name, dropout=dropout, n_layer=4)
+    pm = fxmegatron.parallelize(model, mesh, models.batch(name, batch_size=8), seed=3,
+                                microbatches=microbatches if pp > 1 else 1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    if load_dir:
+        checkpoint.load(pm, opt, load_dir)
+    losses = []
+    for step in range(first_step, first_step + steps):
+        losses.append(pm.train_step(models.batch(name, seed=step, batch_size=8)).item())
+        opt.step()
+        opt.zero_grad()
+    if save_dir:
+        checkpoint.save(pm, opt, save_dir, extra={"step": first_step + steps})
+    return losses
+
+
+def full_state_roundtrip(rank, world, layout, name, tmp):
+    """full_state_dict at (dp, pp, tp) after one step; rank 0 loads it into the unmodified model
+    (strict) and, for HF models, round-trips it through save_pretrained / from_pretrained."""
+    import fxmegatron
+
+    mesh = mesh_3d(*layout)
+    model = models.build(name, n_layer=4)
+    ref = copy.deepcopy(model)
+    pm = fxmegatron.parallelize(model, mesh, models.batch(name, batch_size=8),
+                                microbatches=2 if layout[1] > 1 else 1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm.train_step(models.batch(name, batch_size=8))
+    opt.step()
+    full = pm.full_state_dict()
+    b = models.batch(name, seed=9, batch_size=8)
+    loss_parallel = pm.train_step(b).item()
+    if rank != 0:
+        return None
+    ref.load_state_dict(full, strict=True)
+    loss = models.call(ref, b).item()
+    out = {"loss_loaded": loss, "loss_parallel": loss_parallel, "n": len(full)}
+    if hasattr(ref, "save_pretrained"):
+        ref.save_pretrained(tmp)
+        back = type(ref).from_pretrained(tmp)
+        back.train()
+        out["loss_roundtrip"] = models.call(back, b).item()
+        out["equal"] = all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())
+    return out

@@ -1,0 +1,77 @@
+"""Sharded checkpoints (fxmegatron.checkpoint): resume is bitwise, a checkpoint saved at one
+(dp, pp, tp) loads at another, saves are atomic, full_state_dict loads into the unmodified model."""
+import json
+import os
+
+import pytest
+
+from fxmegatron.checkpoint import CheckpointError, load
+from tests.distributed import run_distributed
+from tests.workers import ckpt_run, full_state_roundtrip
+
+SAVE_LAYOUT = (1, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def straight():
+    """Six steps without interruption at (1, 2, 2)."""
+    return run_distributed(ckpt_run, 4, SAVE_LAYOUT, 6)[0]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("ckpt") / "step3")
+    losses = run_distributed(ckpt_run, 4, SAVE_LAYOUT, 3, 0, None, d)[0]
+    return d, losses
+
+
+def test_save_is_complete_and_sharded(saved):
+    d, _ = saved
+    index = json.load(open(os.path.join(d, "index.json")))
+    assert index["layout"] == {"dp": 1, "pp": 2, "tp": 2}
+    assert sorted(index["files"]) == sorted(f"shard-pp{p}-tp{t}.safetensors" for p in range(2) for t in range(2))
+    assert index["extra"] == {"step": 3}
+    assert not os.path.exists(d + ".tmp")
+
+
+def test_resume_is_bitwise(straight, saved):
+    d, first = saved
+    second = run_distributed(ckpt_run, 4, SAVE_LAYOUT, 3, 3, d)[0]
+    assert first + second == straight          # exact float equality
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 4), (2, 2, 1)], ids=["dp1-pp1-tp4", "dp2-pp2-tp1"])
+def test_reshard(straight, saved, layout):
+    d, _ = saved
+    world = layout[0] * layout[1] * layout[2]
+    nxt = run_distributed(ckpt_run, world, layout, 1, 3, d)[0]
+    assert abs(nxt[0] - straight[3]) <= 1e-5 * abs(straight[3]), (nxt, straight)
+
+
+def test_resume_with_dropout_is_bitwise(tmp_path):
+    d = str(tmp_path / "ck")
+    straight = run_distributed(ckpt_run, 2, (1, 1, 2), 4, 0, None, None, 0.1)[0]
+    a = run_distributed(ckpt_run, 2, (1, 1, 2), 2, 0, None, d, 0.1)[0]
+    b = run_distributed(ckpt_run, 2, (1, 1, 2), 2, 2, d, None, 0.1)[0]
+    assert a + b == straight
+
+
+def test_unfinished_save_is_refused(tmp_path, saved):
+    d, _ = saved
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            (partial / f).write_bytes(open(os.path.join(d, f), "rb").read())
+    with pytest.raises(CheckpointError, match="no index.json"):
+        load(None, None, str(partial))
+
+
+@pytest.mark.parametrize("name,layout", [("gpt", (1, 2, 2)), ("gpt2", (1, 2, 2)), ("llama", (2, 1, 2))])
+def test_full_state_dict_loads_into_unmodified_model(name, layout, tmp_path):
+    world = layout[0] * layout[1] * layout[2]
+    res = run_distributed(full_state_roundtrip, world, layout, name, str(tmp_path / "hf"))[0]
+    assert res["n"] > 0
+    assert abs(res["loss_loaded"] - res["loss_parallel"]) <= 1e-5 * abs(res["loss_parallel"]), res
+    if "loss_roundtrip" in res:
+        assert res["equal"] and res["loss_roundtrip"] == res["loss_loaded"]
