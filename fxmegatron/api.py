@@ -301,7 +301,8 @@ class ParallelModel(nn.Module):
 def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: bool = False,
                 recompute="none", microbatches: int = 1, virtual_stages: int = 1,
                 schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
-                state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False) -> ParallelModel:
+                state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
+                _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
     ``mesh``: a torch DeviceMesh with dims named "tp" and/or "pp" (or None: one process).
@@ -320,7 +321,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     """
     axes = _mesh_axes(mesh)
     tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
-    pipelined = pp.size > 1 or virtual_stages > 1
+    pipelined = pp.size > 1 or virtual_stages > 1 or _chunked
     sched = None
     if pipelined:   # check the layout before the (long) transformation
         sched = make_schedule(schedule or ("interleaved" if virtual_stages > 1 else "1f1b"),
@@ -366,6 +367,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     if pipelined:
         pm._meta = [local]   # a plain list: not a submodule, its parameters are meta
     pm._recompute = recompute if isinstance(recompute, str) else getattr(recompute, "name", str(recompute))
+    pm._seed = seed
+    pm._example_inputs = [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"]
     if dp.size > 1:
         uses = {}
         if pipe is not None:

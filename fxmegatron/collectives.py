@@ -20,7 +20,14 @@ from torch import Tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+# symbolic group names used by generated stage code ("@tp") -> this job's group names;
+# filled by fxmegatron.compiled when a compiled folder is written or loaded
+GROUP_ALIASES = {}
+
+
 def _group(group_name: str):
+    if group_name.startswith("@"):
+        group_name = GROUP_ALIASES[group_name]
     if not group_name:
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -1,0 +1,105 @@
+"""``fxmegatron`` command line.
+
+    fxmegatron compile --factory FILE.py:FUNCTION --pp 2 --tp 2 --microbatches 4 --out FOLDER
+    torchrun --nproc_per_node 4 -m fxmegatron.launch FOLDER --data text.txt --steps 100
+
+``compile`` calls FUNCTION() -> (model, example_batch) (the batch of one training step;
+with data parallelism, of one data-parallel rank times dp), then runs ``parallelize``
+on pp*tp local gloo processes on CPU and writes each rank's stage modules (Python
+source) and weights (safetensors) to FOLDER: see ``fxmegatron.compiled``.
+``schedule`` draws a pipeline schedule (``python -m fxmegatron.schedules.draw``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+
+
+def load_factory(spec: str):
+    """``path/to/file.py:fn`` or ``package.module:fn``."""
+    if ":" not in spec:
+        raise SystemExit(f"--factory {spec!r}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
+    where, fn = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = os.path.abspath(where)
+        sys.path.insert(0, os.path.dirname(path))
+        s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+        mod = importlib.util.module_from_spec(s)
+        s.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(where)
+    return getattr(mod, fn)
+
+
+def _compile_worker(rank, world, args, tmp):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fxmegatron
+    from fxmegatron.compiled import write_folder
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    model, batch = load_factory(args.factory)()
+    mesh = init_device_mesh("cpu", (args.pp, args.tp), mesh_dim_names=("pp", "tp"))
+    pm = fxmegatron.parallelize(model, mesh, batch, sequence_parallel=args.sequence_parallel,
+                                recompute=args.recompute, microbatches=args.microbatches,
+                                virtual_stages=args.virtual_stages, schedule=args.schedule, seed=args.seed,
+                                _chunked=True)
+    write_folder(pm, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def compile_main(argv):
+    ap = argparse.ArgumentParser(prog="fxmegatron compile",
+                                 description="write each rank's stage modules and weights to a folder")
+    ap.add_argument("--factory", required=True, help="FILE.py:FUNCTION returning (model, example_batch)")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--virtual-stages", type=int, default=1)
+    ap.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    world = args.pp * args.tp
+    t0 = time.time()
+    print(f"fxmegatron compile: {args.factory} at pp={args.pp} tp={args.tp} ({world} processes) -> {args.out}",
+          flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_compile_worker, args=(world, args, tmp), nprocs=world, join=True, start_method="spawn")
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(args.out) for f in fs)
+    print(f"wrote {len(files)} files in {time.time() - t0:.1f} s:")
+    for f in files:
+        print("  " + f)
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "compile":
+        return compile_main(rest)
+    if cmd == "schedule":
+        from .schedules.draw import main as draw
+        return draw(rest)
+    raise SystemExit(f"fxmegatron: unknown command {cmd!r} (compile, schedule)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

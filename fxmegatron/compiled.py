@@ -1,0 +1,289 @@
+"""Generated stage modules: each rank's chunks as Python source plus safetensors weights.
+
+``write_folder(pm, folder)`` (one call per (pp, tp) rank, data-parallel replica 0)
+writes::
+
+    FOLDER/manifest.json                 layout, schedule, chunks, boundaries, placements
+    FOLDER/pp{p}-tp{t}/stage.py          class Chunk{k}(nn.Module) per chunk: readable forward code
+    FOLDER/pp{p}-tp{t}/weights.safetensors
+
+``stage.py`` imports torch and fxmegatron only, never the original model's code.
+The weights are safetensors, loaded with no pickles. The collectives in the
+generated code name their group symbolically ("@tp"), and ``load_folder``
+binds that name to the launching job's process group.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import textwrap
+import os
+from typing import Dict, List, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import FxMegatronError
+from .passes.recompute import Recomputed
+from .rng import DropoutRng
+
+MANIFEST = "manifest.json"
+
+
+class CompiledFolderError(FxMegatronError, RuntimeError):
+    pass
+
+
+# ---- emitting source --------------------------------------------------------------------
+def _import_line(name: str, obj) -> Optional[str]:
+    if name in ("torch", "fx_pytree", "pytree"):
+        return {"torch": "import torch", "fx_pytree": "import torch.fx._pytree as fx_pytree",
+                "pytree": "import torch.utils._pytree as pytree"}[name]
+    if name in ("inf", "nan"):
+        return f"from math import {name}"
+    if name == "NoneType":
+        return "NoneType = type(None)"
+    mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if mod and qual and "." not in qual and "<" not in qual:
+        return f"from {mod} import {qual} as {name}" if qual != name else f"from {mod} import {qual}"
+    raise CompiledFolderError(f"cannot import {name!r} ({obj!r}) in generated code")
+
+
+class _Emitter:
+    """Turns a GraphModule (and the GraphModules inside it) into class definitions."""
+
+    def __init__(self, group_names: Dict[str, str]):
+        self.group_names = group_names      # runtime group name -> symbolic name ("@tp")
+        self.imports: List[str] = []
+        self.classes: List[str] = []
+        self.count = 0
+
+    def _symbolic_groups(self, gm: fx.GraphModule) -> None:
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("fxmegatron"):
+                n.args = tuple(self.group_names.get(a, a) if isinstance(a, str) else a for a in n.args)
+        gm.recompile()
+
+    def emit(self, gm: fx.GraphModule, cls: str) -> str:
+        """Class ``cls`` for ``gm``; returns the expression that builds it from ``tensors``."""
+        self._symbolic_groups(gm)
+        code = gm.graph.python_code(root_module="self")
+        for name, obj in code.globals.items():
+            line = _import_line(name, obj)
+            if line not in self.imports:
+                self.imports.append(line)
+        init = ["    def __init__(self, tensors):", "        super().__init__()"]
+        seen = set()
+        for n in gm.graph.nodes:
+            if n.op not in ("get_attr", "call_module") or n.target in seen:
+                continue
+            seen.add(n.target)
+            obj = gm.get_submodule(n.target) if n.op == "call_module" or _is_module(gm, n.target) else None
+            if obj is None:
+                init.append(f"        attach(self, {n.target!r}, tensors[{n.target!r}])")
+            else:
+                init.append(f"        attach(self, {n.target!r}, {self._module_expr(obj, cls, n.target)})")
+        body = "\n".join(init) + "\n" + textwrap.indent(code.src.strip("\n"), "    ") + "\n"
+        self.classes.append(f"class {cls}(torch.nn.Module):\n{body}\n")
+        return f"{cls}(tensors)"
+
+    def _module_expr(self, obj, owner: str, target: str) -> str:
+        self.count += 1
+        sub = f"{owner}_{target.replace('.', '_')}"
+        if isinstance(obj, Recomputed):
+            self._need("from fxmegatron.passes.recompute import Recomputed")
+            return f"Recomputed({self.emit(obj.body, sub)}, {obj.label!r})"
+        if isinstance(obj, DropoutRng):
+            self._need("from fxmegatron.rng import DropoutRng")
+            return f"DropoutRng({obj.seed})"
+        if isinstance(obj, fx.GraphModule):
+            return self.emit(obj, sub)
+        raise CompiledFolderError(f"submodule {target} ({type(obj).__name__}) has no generated form")
+
+    def _need(self, line):
+        if line not in self.imports:
+            self.imports.append(line)
+
+
+def _is_module(gm, target):
+    try:
+        return isinstance(gm.get_submodule(target), nn.Module)
+    except AttributeError:
+        return False
+
+
+def stage_source(modules: Dict[int, fx.GraphModule], group_names: Dict[str, str]) -> str:
+    em = _Emitter(group_names)
+    em._need("import torch")
+    em._need("from fxmegatron.compiled import attach")
+    for k, gm in sorted(modules.items()):
+        em.emit(gm, f"Chunk{k}")
+    head = ('"""Generated by fxmegatron: this rank\'s pipeline chunks. Each ChunkK(tensors) takes its\n'
+            'weights by name (see weights.safetensors) and runs forward(*boundary_inputs, *batch_inputs)."""\n')
+    return head + "\n".join(em.imports) + "\n\n\n" + "\n\n".join(em.classes)
+
+
+def attach(root: nn.Module, path: str, value) -> None:
+    """Set ``root.<path>`` creating plain containers on the way (``layers.0.weight``)."""
+    *parents, last = path.split(".")
+    mod = root
+    for p in parents:
+        if not hasattr(mod, p):
+            mod.add_module(p, nn.Module())
+        mod = getattr(mod, p)
+    if isinstance(value, nn.Module):
+        mod.add_module(last, value)
+    elif isinstance(value, nn.Parameter):
+        mod.register_parameter(last, value)
+    else:
+        mod.register_buffer(last, value)
+
+
+# ---- writing ---------------------------------------------------------------------------------
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def write_folder(pm, folder: str) -> None:
+    """Write this rank's stage (call on every rank of data-parallel replica 0)."""
+    if pm._pipeline is None:
+        raise CompiledFolderError("write_folder needs the chunked form: parallelize(..., virtual_stages>=1) "
+                                  "with pp > 1, or compile_model, which always builds it")
+    pipe = pm._pipeline
+    groups = {}
+    for dim in ("tp", "pp", "dp"):
+        if pm._axes[dim].group_name:
+            groups[pm._axes[dim].group_name] = "@" + dim
+    from . import collectives
+    for real, sym in groups.items():   # the live model keeps running on the symbolic names
+        collectives.GROUP_ALIASES[sym] = real
+    sub = os.path.join(folder, f"pp{pm.pp_rank}-tp{pm.tp_rank}")
+    os.makedirs(sub, exist_ok=True)
+    with open(os.path.join(sub, "stage.py"), "w") as f:
+        f.write(stage_source(pipe.stage.modules, groups))
+    tensors = {}
+    for k, mod in pipe.stage.modules.items():
+        for n in mod.graph.nodes:
+            if n.op == "get_attr" and not _is_module(mod, n.target):
+                t = _get(mod, n.target)
+                tensors[n.target] = t.detach().contiguous().cpu()
+    save_file(tensors, os.path.join(sub, "weights.safetensors"),
+              metadata={"parameters": json.dumps(sorted(pipe.stage.params))})
+    if pm.pp_rank == 0 and pm.tp_rank == 0:
+        sched = pipe.schedule
+        manifest = {
+            "format": "fxmegatron-compiled/1",
+            "layout": {"pp": pm.pp_size, "tp": pm.tp_size},
+            "schedule": sched.name, "virtual_stages": sched.v, "microbatches": sched.m,
+            "in_spec": pytree.treespec_dumps(pm._in_spec),
+            "batch": [{"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for v in pm._example_inputs],
+            "seed": pm._seed,
+            "aliases": pm._aliases,
+            "params": [{"name": n, "shape": list(pm._global[n][0]), "dtype": _dtype_name(pm._global[n][1]),
+                        "placement": _plc(pm._plan.param_plc.get(n))} for n in pm._order],
+            "sequence_parallel": pm._plan.sequence_parallel,
+            "recompute": pm._recompute,
+            "chunks": [{"index": c.index, "units": c.units, "cost": c.cost, "params": c.params,
+                        "batch_inputs": c.batch_inputs, "boundary_in": c.boundary_in,
+                        "boundary_out": c.boundary_out, "boundary_grad": c.boundary_grad}
+                       for c in pipe.chunks],
+            "specs": {str(k): [{"shape": list(s.shape), "dtype": _dtype_name(s.dtype), "grad": s.grad}
+                               for s in v] for k, v in pipe.runner.specs.items()},
+            "shared": {n: {"shape": list(s), "dtype": _dtype_name(d)} for n, (s, d) in pipe.stage.shared.items()},
+        }
+        with open(os.path.join(folder, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+
+
+def _plc(p):
+    from .placement import Shard
+    if isinstance(p, Shard):
+        return {"dim": p.dim, "blocks": list(p.blocks) if p.blocks else None}
+    return "R"
+
+
+def _get(mod, target):
+    obj = mod
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---- loading -----------------------------------------------------------------------------
+def load_folder(folder: str, mesh, device=None):
+    """A ``ParallelModel`` for this rank from a compiled folder (no model code needed)."""
+    from . import collectives
+    from .api import Axis, ParallelModel, Pipeline, _mesh_axes, _runtime_device
+    from .data_parallel import GradSync
+    from .passes.pipeline_split import Chunk
+    from .placement import R, Shard
+    from .schedules import make_schedule
+    from .schedules.runtime import StageRunner, TensorSpec
+    from .stages import Stage
+    from types import SimpleNamespace
+
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise CompiledFolderError(f"{folder} has no {MANIFEST}: not a folder written by `fxmegatron compile`")
+    with open(path) as f:
+        man = json.load(f)
+    axes = _mesh_axes(mesh)
+    for dim in ("pp", "tp"):
+        if axes[dim].size != man["layout"][dim]:
+            raise CompiledFolderError(f"{folder} was compiled for {dim}={man['layout'][dim]}, the mesh has "
+                                      f"{dim}={axes[dim].size}")
+    for dim in ("tp", "pp", "dp"):
+        collectives.GROUP_ALIASES["@" + dim] = axes[dim].group_name
+    device = device or _runtime_device(mesh)
+    pp, tp, dp = axes["pp"], axes["tp"], axes["dp"]
+    sub = os.path.join(folder, f"pp{pp.rank}-tp{tp.rank}")
+    spec = importlib.util.spec_from_file_location(f"fxmegatron_stage_pp{pp.rank}_tp{tp.rank}",
+                                                  os.path.join(sub, "stage.py"))
+    stage_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage_mod)
+    with safe_open(os.path.join(sub, "weights.safetensors"), "pt") as f:
+        param_names = set(json.loads(f.metadata()["parameters"]))
+        tensors = {k: f.get_tensor(k).to(device) for k in f.keys()}
+    params = {n: nn.Parameter(tensors[n]) for n in param_names}
+    tensors.update(params)
+    chunks = [Chunk(c["index"], None, c["boundary_in"], c["boundary_out"], c["batch_inputs"], c["units"],
+                    c["cost"], c["params"], c["boundary_grad"]) for c in man["chunks"]]
+    modules = {c.index: getattr(stage_mod, f"Chunk{c.index}")(tensors) for c in chunks
+               if c.index % pp.size == pp.rank}
+    for m in modules.values():
+        m.to(device)
+        for sub_m in m.modules():     # data-parallel replicas draw their own dropout masks
+            if isinstance(sub_m, DropoutRng):
+                sub_m.seed = man["seed"] + 0x9E3779B1 * dp.rank
+    sched = make_schedule(man["schedule"], pp.size, man["virtual_stages"], man["microbatches"])
+    specs = {int(k): [TensorSpec(tuple(s["shape"]), getattr(torch, s["dtype"]), s["grad"]) for s in v]
+             for k, v in man["specs"].items()}
+    runner = StageRunner(sched, pp.rank, modules, {c.index: c.batch_inputs for c in chunks}, specs,
+                         pp.ranks, pp.group, device)
+    shared = {n: (tuple(s["shape"]), getattr(torch, s["dtype"])) for n, s in man["shared"].items()}
+    stage = Stage(modules, params, shared)
+    param_plc = {p["name"]: (R if p["placement"] == "R" else
+                             Shard(p["placement"]["dim"], tuple(p["placement"]["blocks"])
+                                   if p["placement"]["blocks"] else None)) for p in man["params"]}
+    captured = SimpleNamespace(in_spec=pytree.treespec_loads(man["in_spec"]), aliases=man["aliases"],
+                               params={p["name"]: torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]),
+                                                              device="meta") for p in man["params"]})
+    plan = SimpleNamespace(param_plc=param_plc, replicated_params={}, sequence_parallel=man["sequence_parallel"],
+                           attempts=0)
+    pm = ParallelModel(None, captured, plan, axes, {}, man["microbatches"], Pipeline(sched, chunks, stage, runner))
+    pm._recompute = man["recompute"]
+    pm._example_inputs = [torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]), device="meta")
+                          for b in man["batch"]]
+    if dp.size > 1:
+        uses = {}
+        for c in chunks:
+            if c.index in modules:
+                for name in c.params:
+                    if name in params:
+                        uses[id(params[name])] = uses.get(id(params[name]), 0) + 1
+        pm._grad_sync = GradSync(list(pm.parameters()), uses, dp.group, dp.size)
+    return pm
