@@ -42,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--losses", default="", help="write the per-step losses (JSON) here")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: cuda (nccl) when there is one GPU per local process, else cpu (gloo)")
     args = ap.parse_args(argv)
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -50,7 +52,8 @@ def main(argv=None):
 
     with open(os.path.join(args.folder, MANIFEST)) as f:
         man = json.load(f)
-    cuda = torch.cuda.is_available()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= local_world)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -42,7 +42,7 @@ def test_folder_is_readable_source_without_model_code(folder):
 def test_launch_reproduces_parallelize(folder, tmp_path):
     losses_file = str(tmp_path / "losses.json")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                        "-m", "fxmegatron.launch", folder, "--steps", "3", "--losses", losses_file],
+                        "-m", "fxmegatron.launch", folder, "--steps", "3", "--losses", losses_file, "--device", "cpu"],
                        env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     launched = json.load(open(losses_file))
@@ -54,6 +54,6 @@ def test_launch_reproduces_parallelize(folder, tmp_path):
 
 def test_launch_refuses_a_layout_it_was_not_compiled_for(folder):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "fxmegatron.launch", folder, "--steps", "1"],
+                        "-m", "fxmegatron.launch", folder, "--steps", "1", "--device", "cpu"],
                        env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "!= 2 processes" in r.stderr + r.stdout

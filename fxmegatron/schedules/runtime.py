@@ -46,14 +46,25 @@ def _store():
 
 
 def report_failure(exc: BaseException) -> None:
-    """Tell the other ranks (through the store) that this rank failed."""
+    """Tell the other ranks (through the store) that this rank failed. The first report
+    wins: a rank that fails because a peer went away must not hide the peer's error."""
     store = _store()
     if store is None:
         return
     try:
-        store.set(ERROR_KEY, f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"[:2000])
+        store.compare_set(ERROR_KEY, "", f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"[:2000])
     except Exception:
         pass
+
+
+def peer_failure(store) -> Optional[str]:
+    """The error a rank reported, if any."""
+    try:
+        if store is not None and store.check([ERROR_KEY]):
+            return store.get(ERROR_KEY).decode(errors="replace")
+    except Exception:
+        return None
+    return None
 
 
 def _check_peers(store) -> None:
@@ -127,6 +138,10 @@ class StageRunner:
         except PipelineError:
             raise
         except BaseException as exc:
+            # a send or receive that fails because a peer died: report the peer's error
+            other = peer_failure(_store()) if self.group is not None else None
+            if other is not None and not other.startswith(f"rank {dist.get_rank()}:"):
+                raise PipelineError("pipeline rank failed: " + other) from exc
             report_failure(exc)
             raise
 
