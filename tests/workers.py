@@ -100,27 +100,31 @@ def pipeline_parity(rank, world, pp, names, configs, n_layer=8, batch_size=8, st
     for name in names:
         model = models.build(name, n_layer=n_layer)
         for sched, v, m in configs:
-            ref = copy.deepcopy(model)
             pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=batch_size),
                                         microbatches=m, virtual_stages=v, schedule=sched, **(extra or {}))
-            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-            losses, losses_ref, grad_err = [], [], {}
-            for step in range(steps):
-                b = models.batch(name, seed=step, batch_size=batch_size)
-                lr_ = models.call(ref, b)
-                lr_.backward()
-                loss = pm.train_step(b)
-                losses_ref.append(lr_.item())
-                losses.append(loss.item())
-                if step == 0:
-                    full = pm.full_grads()
-                    scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
-                    grad_err = {n: rel_err(full[n], p.grad, scale) for n, p in ref.named_parameters() if n in full}
-                opt_ref.step(); opt_ref.zero_grad()
-                opt.step(); opt.zero_grad()
-            out[(name, sched, v, m)] = {"losses": losses, "losses_ref": losses_ref, "grad_err": grad_err}
+            out[(name, sched, v, m)] = train_side_by_side(pm, copy.deepcopy(model), name, steps, batch_size)
     return out
+
+
+def train_side_by_side(pm, ref, name, steps, batch_size):
+    """``steps`` AdamW steps of ``pm.train_step`` and of the unmodified ``ref`` on the same
+    batches: both loss lists and the first step's gradient errors of this rank's parameters."""
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    losses, losses_ref, grad_err = [], [], {}
+    for step in range(steps):
+        b = models.batch(name, seed=step, batch_size=batch_size)
+        lr_ = models.call(ref, b)
+        lr_.backward()
+        losses_ref.append(lr_.item())
+        losses.append(pm.train_step(b).item())
+        if step == 0:
+            full = pm.full_grads()
+            scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
+            grad_err = {n: rel_err(full[n], p.grad, scale) for n, p in ref.named_parameters() if n in full}
+        opt_ref.step(); opt_ref.zero_grad()
+        opt.step(); opt.zero_grad()
+    return {"losses": losses, "losses_ref": losses_ref, "grad_err": grad_err}
 
 
 def pipeline_failure(rank, world, fail_rank, microbatches=4):
@@ -168,25 +172,9 @@ def dp_parity(rank, world, layout, names, steps=5, n_layer=4, batch_size=8, para
     out = {}
     for name in names:
         model = models.build(name, n_layer=n_layer)
-        ref = copy.deepcopy(model)
         pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=batch_size),
                                     **(parallel_kwargs or {}))
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        losses, losses_ref, grad_err = [], [], {}
-        for step in range(steps):
-            b = models.batch(name, seed=step, batch_size=batch_size)
-            lr_ = models.call(ref, b)
-            lr_.backward()
-            losses_ref.append(lr_.item())
-            losses.append(pm.train_step(b).item())
-            if step == 0:
-                full = pm.full_grads()
-                scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
-                grad_err = {n: rel_err(full[n], p.grad, scale) for n, p in ref.named_parameters() if n in full}
-            opt_ref.step(); opt_ref.zero_grad()
-            opt.step(); opt.zero_grad()
-        out[name] = {"losses": losses, "losses_ref": losses_ref, "grad_err": grad_err}
+        out[name] = train_side_by_side(pm, copy.deepcopy(model), name, steps, batch_size)
     return out
 
 
