@@ -26,7 +26,7 @@ from .passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_p
 from .placement import Placement, R, join_shards
 from .schedules import Schedule, ScheduleError, make_schedule
 from .schedules.runtime import StageRunner
-from .stages import Stage, boundary_specs, build_stage, split_batch
+from .stages import Stage, boundary_specs, build_stage, split_batch, token_counter
 
 _KNOWN_DIMS = ("dp", "pp", "tp")
 _SUPPORTED_DIMS = ("dp", "pp", "tp")
@@ -122,6 +122,7 @@ class ParallelModel(nn.Module):
         self.dp_size, self.dp_rank = axes["dp"].size, axes["dp"].rank
         self.microbatches = microbatches
         self._grad_sync: Optional[GradSync] = None
+        self._count_tokens = None       # flat microbatch -> tokens its loss averages over
         self.timings = timings
         self._recompute = "none"
         self._pipeline = pipeline
@@ -177,7 +178,7 @@ class ParallelModel(nn.Module):
         if self.dp_size > 1:    # this data-parallel rank's share of the global batch
             flat = split_batch(flat, self.dp_size, names, f"dp={self.dp_size}")[self.dp_rank]
         micro = split_batch(flat, m, names)
-        weights = [1.0 / m] * m
+        weights = self._loss_weights(micro)
         if self._grad_sync is not None:
             self._grad_sync.start(m)
         if self._pipeline is None:
@@ -198,6 +199,21 @@ class ParallelModel(nn.Module):
             dist.all_reduce(total, group=self.dp_group)
             total /= self.dp_size
         return total
+
+    def _loss_weights(self, micro) -> List[float]:
+        """Weight of each microbatch's (mean) loss so that the step's loss is the mean over
+        every counted token of the global batch: count_i·dp / N (1/m without a counter)."""
+        m = len(micro)
+        if self._count_tokens is None:
+            return [1.0 / m] * m
+        counts = [float(self._count_tokens(mb)) for mb in micro]
+        total = torch.tensor(sum(counts), dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        total = total.item()
+        if total == 0:
+            return [1.0 / m] * m
+        return [c * self.dp_size / total for c in counts]
 
     def _sum_shared_grads(self) -> None:
         """Weights used on several pipeline ranks (a tied embedding and LM head): sum their
@@ -368,6 +384,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
         pm._meta = [local]   # a plain list: not a submodule, its parameters are meta
     pm._recompute = recompute if isinstance(recompute, str) else getattr(recompute, "name", str(recompute))
     pm._seed = seed
+    if microbatches > 1 or dp.size > 1:
+        pm._count_tokens = token_counter(local, device)
     pm._example_inputs = [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"]
     if dp.size > 1:
         uses = {}

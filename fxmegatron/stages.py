@@ -119,3 +119,50 @@ def _is_module(gm: nn.Module, target: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def token_counter(gm: fx.GraphModule, device="cpu"):
+    """A function ``flat_microbatch -> number of tokens the loss averages over``, or None.
+
+    The loss is the vocab-parallel cross-entropy with mean reduction; its target is
+    computed from the batch alone (HF models shift their labels inside the model), so
+    the ancestors of the target form a small graph that needs no parameters. Weighting
+    each microbatch by its count (instead of 1/m) makes the step's loss the mean over
+    all counted tokens of the batch, as the unmodified model computes it, also when
+    microbatches hold different numbers of ignored labels.
+    """
+    from .vocab_parallel import vocab_parallel_cross_entropy
+
+    losses = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is vocab_parallel_cross_entropy]
+    if len(losses) != 1:
+        return None
+    ce = losses[0]
+    target, reduction, ignore = ce.args[1], ce.args[4], ce.args[5]
+    if reduction != 1:
+        return None
+    keep, stack = [], [target]
+    while stack:
+        n = stack.pop()
+        if n in keep:
+            continue
+        if n.op == "get_attr" or n.op == "call_module":
+            return None          # depends on weights or submodules: not a function of the batch alone
+        keep.append(n)
+        stack.extend(n.all_input_nodes)
+    g = fx.Graph()
+    env = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for p in placeholders:
+        env[p] = g.placeholder(p.name)
+    for n in gm.graph.nodes:
+        if n in keep and n.op != "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[target])
+    sub = retarget_device(fx.GraphModule(torch.nn.Module(), g), device)
+
+    def count(flat) -> int:
+        with torch.no_grad():
+            t = sub(*flat)
+        return int((t != ignore).sum())
+
+    return count

@@ -114,6 +114,25 @@ def test_one_process_virtual_stages_match(name):
             assert rel_err(grads[n], p.grad, scale) <= 1e-4, (sched, v, n)
 
 
+@pytest.mark.parametrize("name", ["gpt", "gpt2"])
+def test_microbatches_with_ignored_labels_average_like_the_whole_batch(name):
+    model = models.build(name, n_layer=2)
+    b = models.batch(name, batch_size=4)
+    labels = b[1] if isinstance(b, tuple) else b["labels"]
+    labels[:2, 3:] = -100        # the first microbatch counts far fewer tokens than the second
+    ref = copy.deepcopy(model)
+    loss_ref = models.call(ref, b)
+    loss_ref.backward()
+    scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
+    for v in (1, 2):
+        pm = fxmegatron.parallelize(copy.deepcopy(model), None, b, microbatches=2, virtual_stages=v)
+        loss = pm.train_step(b)
+        assert abs(loss.item() - loss_ref.item()) <= 1e-5 * abs(loss_ref.item()), (loss.item(), loss_ref.item())
+        grads = pm.full_grads()
+        for n, p in ref.named_parameters():
+            assert rel_err(grads[n], p.grad, scale) <= 1e-4, (v, n)
+
+
 # ---- gloo ----------------------------------------------------------------------------------
 LAYOUTS = [(2, 2), (4, 4), (4, 2)]    # (world, pp); tp = world / pp
 
