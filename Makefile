@@ -1,11 +1,12 @@
 # Two commands do everything, set-up included:
-#   make demo   tensor-parallel training of the bundled GPT on CPU (torchrun, gloo, 2 processes)
+#   make demo   the main job: trains the bundled GPT on CPU (torchrun, gloo, 4 processes), loss curve in runs/
 #   make test   the test suite (CPU; GPU tests skip without CUDA)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-NPROC ?= 2
+NPROC ?= 4
+DEMO_ARGS ?= --pp 2 --tp 2 --microbatches 2
 
-.PHONY: demo test install bench-capture clean
+.PHONY: demo tp-demo test install bench-capture clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,7 +19,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) examples/tp_demo.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) examples/train_gpt.py $(DEMO_ARGS)
+
+# the unmodified model and fxmegatron side by side, loss by loss
+tp-demo: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/tp_demo.py
 
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
@@ -27,4 +32,4 @@ bench-capture: $(VENV)/.installed
 	$(PY) benchmarks/capture_llama8b.py --tp 8
 
 clean:
-	rm -rf $(VENV) dump *.egg-info
+	rm -rf $(VENV) dump runs *.egg-info
