@@ -123,6 +123,13 @@ class ParallelModel(nn.Module):
         self.microbatches = microbatches
         self._grad_sync: Optional[GradSync] = None
         self._count_tokens = None       # flat microbatch -> tokens its loss averages over
+        self._holders: Dict[str, int] = {}   # weight -> number of pipeline stages holding it
+        if pipeline is not None:
+            ranks: Dict[str, set] = {}
+            for c in pipeline.chunks:
+                for name in c.params:
+                    ranks.setdefault(name, set()).add(c.index % pipeline.schedule.p)
+            self._holders = {n: len(r) for n, r in ranks.items()}
         self.timings = timings
         self._recompute = "none"
         self._pipeline = pipeline
@@ -214,6 +221,30 @@ class ParallelModel(nn.Module):
         if total == 0:
             return [1.0 / m] * m
         return [c * self.dp_size / total for c in counts]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that the norm of the whole (unsplit) model's gradient is at most
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the unmodified model would; returns
+        that norm. Collective over tp and pp (every rank must call it)."""
+        dev = next((p.device for p in self.parameters()), torch.device("cpu"))
+        sq = torch.zeros((), dtype=torch.float64, device=dev)
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            s = p.grad.detach().double().pow(2).sum()
+            if self.placement(name) == R:
+                s = s / self.tp_size                     # each tp rank holds the whole gradient
+            sq += s / self._holders.get(name, 1)         # and each pipeline stage that uses the weight
+        for dim in ("tp", "pp"):
+            if self._axes[dim].size > 1:
+                dist.all_reduce(sq, group=self._axes[dim].group)
+        norm = sq.sqrt()
+        coef = float(max_norm) / (norm.item() + 1e-6)
+        if coef < 1.0:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm.float()
 
     def _sum_shared_grads(self) -> None:
         """Weights used on several pipeline ranks (a tied embedding and LM head): sum their

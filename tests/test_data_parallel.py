@@ -45,3 +45,14 @@ def test_batch_not_divisible_by_dp_is_named():
     from fxmegatron.api import _first_microbatch
     with pytest.raises(fxmegatron.FxMegatronError, match="which dp=3 does not divide"):
         _first_microbatch(models.batch("gpt", batch_size=8), 1, 3)
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 1, 2)], ids=["dp1-pp2-tp2", "dp2-pp1-tp2"])
+def test_clip_grad_norm_is_the_whole_models(layout):
+    from tests.workers import clip_parity
+    per_rank = run_distributed(clip_parity, layout[0] * layout[1] * layout[2], layout)
+    for rank, rows in enumerate(per_rank):
+        for loss, loss_ref, n, n_ref in rows:
+            assert n_ref > 0.05                                 # the clip is active
+            assert abs(n - n_ref) <= 1e-4 * n_ref, (rank, n, n_ref)
+            assert abs(loss - loss_ref) <= 1e-4 * loss_ref, (rank, rows)

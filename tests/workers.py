@@ -289,3 +289,28 @@ def inprocess_lm_losses(rank, world, layout, steps, microbatches=2, lr=1e-3):
         opt.step()
         opt.zero_grad()
     return losses
+
+
+def clip_parity(rank, world, layout, name="gpt", steps=3, max_norm=0.05):
+    """clip_grad_norm_ at (dp, pp, tp): the norm and the clipped steps' losses next to
+    torch.nn.utils.clip_grad_norm_ on the unmodified model."""
+    import fxmegatron
+
+    model = models.build(name, n_layer=4)
+    ref = copy.deepcopy(model)
+    pm = fxmegatron.parallelize(copy.deepcopy(model), mesh_3d(*layout), models.batch(name, batch_size=8),
+                                microbatches=2 if layout[1] > 1 else 1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    out = []
+    for step in range(steps):
+        b = models.batch(name, seed=step, batch_size=8)
+        lr_ = models.call(ref, b)
+        lr_.backward()
+        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item()
+        loss = pm.train_step(b).item()
+        n = pm.clip_grad_norm_(max_norm).item()
+        out.append((loss, lr_.item(), n, n_ref))
+        opt_ref.step(); opt_ref.zero_grad()
+        opt.step(); opt.zero_grad()
+    return out
