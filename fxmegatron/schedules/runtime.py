@@ -146,7 +146,9 @@ class StageRunner:
             raise
 
     def _run(self, microbatches, weights):
-        store = _store() if self.group is not None else None
+        # gloo waits block the host: watch the store for failed peers from a helper thread.
+        # NCCL waits only order streams (the host goes on), so they are called directly.
+        store = _store() if self.group is not None and dist.get_backend(self.group) == "gloo" else None
         acts = self.schedule.ranks[self.rank]
         inputs: Dict[Tuple[int, int], List] = {}        # (mb, chunk) -> boundary inputs (leaves)
         outputs: Dict[Tuple[int, int], object] = {}     # (mb, chunk) -> outputs / loss
@@ -154,6 +156,7 @@ class StageRunner:
         in_grads: Dict[Tuple[int, int], List] = {}      # (mb, chunk) -> grads of its inputs
         recv_work: Dict[Tuple[str, int, int], list] = {}
         send_work: list = []
+        sent: list = []
         total = None
         i = 0
         while i < len(acts):
@@ -166,8 +169,16 @@ class StageRunner:
                     j += 1
                 if ops:
                     works = dist.batch_isend_irecv([op for op, _ in ops])
-                    for (op, key), w in zip(ops, works):
-                        (send_work if key is None else recv_work.setdefault(key, [])).append(w)
+                    if len(works) != len(ops):
+                        # NCCL returns one work for the whole coalesced batch: every op waits on it
+                        works = [list(works)] * len(ops)
+                    else:
+                        works = [[w] for w in works]
+                    for (op, key), ws in zip(ops, works):
+                        (send_work if key is None else recv_work.setdefault(key, [])).extend(ws)
+                    # a tensor being sent must outlive its send: on GPU the send runs on NCCL's
+                    # stream, and a freed buffer could be handed out again before it is read
+                    sent.extend(op.tensor for op, key in ops if key is None)
                 i = j
                 continue
             key = (a.microbatch, a.chunk)
@@ -184,6 +195,7 @@ class StageRunner:
                 self._backward(a, weights, inputs, outputs, out_grads, in_grads)
             i += 1
         self._await(send_work, store)
+        sent.clear()
         for w in recv_work.values():
             self._await(w, store)
         return total
