@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from .errors import FxMegatronError
 from .passes.recompute import Recomputed
 from .rng import DropoutRng
+from .stages import _is_module
 
 MANIFEST = "manifest.json"
 
@@ -107,13 +108,6 @@ class _Emitter:
     def _need(self, line):
         if line not in self.imports:
             self.imports.append(line)
-
-
-def _is_module(gm, target):
-    try:
-        return isinstance(gm.get_submodule(target), nn.Module)
-    except AttributeError:
-        return False
 
 
 def stage_source(modules: Dict[int, fx.GraphModule], group_names: Dict[str, str]) -> str:

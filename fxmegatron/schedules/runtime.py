@@ -68,8 +68,9 @@ def peer_failure(store) -> Optional[str]:
 
 
 def _check_peers(store) -> None:
-    if store is not None and store.check([ERROR_KEY]):
-        raise PipelineError("pipeline rank failed: " + store.get(ERROR_KEY).decode(errors="replace"))
+    other = peer_failure(store)
+    if other is not None:
+        raise PipelineError("pipeline rank failed: " + other)
 
 
 def wait_all(works, store=None, poll_s: float = 0.5) -> None:
