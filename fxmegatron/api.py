@@ -21,6 +21,7 @@ from .errors import MeshError, ShardingError
 from .materialize import local_parameter
 from .passes.dropout_rng import RNG_ATTR, apply_counter_rng
 from .passes.pipeline_split import Chunk, split_pipeline
+from .passes.fuse import apply_fuse
 from .passes.recompute import apply_recompute
 from .passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from .placement import Placement, R, join_shards
@@ -348,6 +349,7 @@ class ParallelModel(nn.Module):
 def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: bool = False,
                 recompute="none", microbatches: int = 1, virtual_stages: int = 1,
                 schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
+                fuse: bool = False,
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
                 _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
@@ -362,6 +364,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     (balanced by cost, or ``blocks_per_chunk``), chunk c on pp rank c % pp, run by
     ``schedule`` ("gpipe", "1f1b", "interleaved"; default 1f1b, or interleaved when
     virtual_stages > 1) over ``microbatches`` per ``train_step``.
+    ``fuse``: each run of elementwise ops becomes one generated Triton kernel (forward, and a
+    backward that recomputes the run); without CUDA the runs execute as the original ops.
     Weights come from ``state_dict``, else from the model, else (meta model) are
     initialised shard by shard. ``seed``: for that initialisation and
     for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).
@@ -396,6 +400,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
         getattr(local, RNG_ATTR).step = 0   # the shape check ran one forward
     timings["shape_check_s"] = time.perf_counter() - t0
     apply_recompute(local, recompute)
+    if fuse:
+        apply_fuse(local)
     pipe = None
     if pipelined:
         t0 = time.perf_counter()

@@ -71,6 +71,12 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
                 f.write(f"# {getattr(mod, 'label', '')} recomputation: this body runs in forward without\n"
                         "# keeping its activations and runs again in backward.\n")
                 f.write(body.code)
+    for name, mod in gm.named_modules():
+        if hasattr(mod, "kernel") and hasattr(mod, "source"):     # a fused elementwise group
+            with open(os.path.join(directory, f"{name.replace('.', '_')}.triton.py"), "w") as f:
+                f.write("# generated Triton kernels of a fused elementwise group: forward, and a backward\n"
+                        "# that recomputes the chain from the group's inputs\n")
+                f.write(mod.source())
     with open(os.path.join(directory, "placements.txt"), "w") as f:
         f.write("# R = replicated, S(d) = split along dim d, P(sum) = partial sums (reduced by g)\n")
         f.write(placement_table(gm))

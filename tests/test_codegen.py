@@ -1,9 +1,7 @@
 """Generated Triton kernels for elementwise chains, under TRITON_INTERPRET=1 on CPU:
 forward and the symbolically derived backward against eager fp32, on hypothesis shapes
 (non-powers of two included)."""
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"     # read when a kernel is decorated: generated kernels are made later
+import copy
 
 import pytest  # noqa: E402
 import sympy as sp  # noqa: E402
@@ -13,6 +11,18 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from fxmegatron.codegen.expr import Sigmoid, derive, gelu, lower_nodes  # noqa: E402
 from fxmegatron.codegen.triton_kernel import FULL, ROW, FusedChain  # noqa: E402
+
+import fxmegatron  # noqa: E402
+from tests import models  # noqa: E402
+from tests.workers import rel_err  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    # read when a kernel is decorated (generated kernels are made inside the tests) and when
+    # a fused group is called (it then runs its kernels on CPU tensors)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 x0, x1 = sp.symbols("x0 x1", real=True)
 CHAINS = {
@@ -61,3 +71,25 @@ def test_lowering_from_a_graph():
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
     chain = lower_nodes(body, ph, [body[-1]])
     assert sp.simplify(chain.outputs[0] - gelu(x0 + x1, "tanh")) == 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_fused_model_matches_unmodified(name, tmp_path):
+    model = models.build(name, n_layer=2)
+    b = models.batch(name)
+    ref = copy.deepcopy(model)
+    loss_ref = models.call(ref, b)
+    loss_ref.backward()
+    pm = fxmegatron.parallelize(model, None, b, fuse=True)
+    fused = [m for k, m in pm.graph_module.named_children() if k.startswith("fused_")]
+    assert fused, "no group was fused"
+    loss = pm(b)
+    loss.backward()
+    assert abs(loss.item() - loss_ref.item()) <= 1e-5 * abs(loss_ref.item())
+    scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
+    grads = pm.full_grads()
+    for n, p in ref.named_parameters():
+        assert rel_err(grads[n], p.grad, scale) <= 1e-4, n
+    pm.dump(str(tmp_path))
+    src = (tmp_path / "rank0" / "fused_0.triton.py").read_text()
+    assert "@triton.jit" in src and "def bwd(" in src

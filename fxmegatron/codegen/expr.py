@@ -68,7 +68,10 @@ def _lower(node: fx.Node, a: List) -> sp.Expr:
     if pk is aten.erf:
         return sp.erf(a[0])
     if pk is aten.pow:
-        return a[0] ** a[1]
+        e = a[1]
+        if isinstance(e, sp.Float) and float(e).is_integer():   # x ** 3.0 is x*x*x, defined for x < 0
+            e = sp.Integer(int(e))
+        return a[0] ** e
     if pk is aten.sqrt:
         return sp.sqrt(a[0])
     if pk is aten.rsqrt:
