@@ -120,19 +120,25 @@ _CACHE: Dict[str, object] = {}
 
 def compile_source(src: str, name: str):
     """The jitted kernel ``name`` defined in ``src`` (cached by source)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     key = hashlib.sha256((name + src).encode()).hexdigest()[:16]
-    if key in _CACHE:
-        return _CACHE[key]
+    if (key, interpret) in _CACHE:
+        return _CACHE[(key, interpret)]
     folder = os.path.join(tempfile.gettempdir(), "fxmegatron_kernels")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"k_{key}.py")
-    with open(path, "w") as f:     # triton.jit reads the source of the function from its file
+    # triton.jit reads the source of the function from its file; several processes may write
+    # the same kernel at once, so each writes its own file and renames it into place
+    part = f"{path}.{os.getpid()}.part"
+    with open(part, "w") as f:
         f.write("import triton\nimport triton.language as tl\n\n\n" + src)
+    os.replace(part, path)
     spec = importlib.util.spec_from_file_location(f"fxmegatron_kernel_{key}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    _CACHE[key] = getattr(mod, name)
-    return _CACHE[key]
+    kernel = getattr(mod, name)
+    _CACHE[(key, interpret)] = kernel
+    return kernel
 
 
 class FusedChain:

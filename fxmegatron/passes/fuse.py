@@ -13,7 +13,6 @@ original ATen ops, kept as a GraphModule. The dump writes each group's Triton so
 """
 from __future__ import annotations
 
-import operator
 import os
 from typing import List
 
@@ -23,6 +22,7 @@ import torch.nn as nn
 
 from ..codegen.expr import ELEMENTWISE, lower_nodes
 from ..codegen.triton_kernel import FULL, ROW, FusedChain
+from .outline import boundary, outline
 
 
 class Fused(nn.Module):
@@ -36,7 +36,10 @@ class Fused(nn.Module):
         self.kernel = FusedChain(chain, kinds)
 
     def forward(self, *xs):
-        if xs[0].is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from torch._subclasses.fake_tensor import is_fake
+
+        real = not is_fake(xs[0]) and xs[0].device.type != "meta"    # shape propagation runs the ops
+        if real and (xs[0].is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             out = self.kernel.apply(*xs)
             return out if isinstance(out, tuple) else (out,)
         return self.fallback(*xs)
@@ -103,40 +106,14 @@ def _groups(gm: fx.GraphModule) -> List[List[fx.Node]]:
 
 
 def _rewrite(gm: fx.GraphModule, group: List[fx.Node], index: int) -> None:
-    members = set(group)
     shape = _shape(group[0])
-    inputs: List[fx.Node] = []
-    for n in group:
-        for a in n.all_input_nodes:
-            if a not in members and a not in inputs:
-                inputs.append(a)
+    inputs, outputs = boundary(group)
     if not any(_kind(a, shape) == FULL for a in inputs):
         return      # the kernel's grid follows a full-shape input
-    outputs = [n for n in group if any(u not in members for u in n.users)]
     chain = lower_nodes(group, inputs, outputs)
-    sub = fx.Graph()
-    env = {}
-    for a in inputs:
-        env[a] = sub.placeholder(a.name)
-        env[a].meta = dict(a.meta)
-    for n in group:
-        env[n] = sub.node_copy(n, lambda x: env[x])
-    sub.output(tuple(env[o] for o in outputs))
     label = " -> ".join(str(_pk(n).__name__) for n in group)
-    name = f"fused_{index}"
-    gm.add_submodule(name, Fused(fx.GraphModule(gm, sub), chain, [_kind(a, shape) for a in inputs], label))
-    with gm.graph.inserting_after(group[-1]):
-        call = gm.graph.call_module(name, tuple(inputs))
-    call.meta["nn_module_stack"] = group[0].meta.get("nn_module_stack")
-    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-    call.meta["fused"] = label
-    with gm.graph.inserting_after(call):
-        for i, o in enumerate(outputs):
-            get = gm.graph.call_function(operator.getitem, (call, i))
-            get.meta = dict(o.meta)
-            o.replace_all_uses_with(get)
-    for n in reversed(group):
-        gm.graph.erase_node(n)
+    kinds = [_kind(a, shape) for a in inputs]
+    outline(gm, group, f"fused_{index}", lambda body, i, o: Fused(body, chain, kinds, label), {"fused": label})
 
 
 def apply_fuse(gm: fx.GraphModule) -> fx.GraphModule:

@@ -17,7 +17,6 @@ Recomputed nodes carry ``meta["recompute"]``; the dump shows each region's body.
 """
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Sequence
@@ -28,6 +27,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..capture import module_path
+from .outline import outline
 from ..rng import counter_dropout_attention
 
 aten = torch.ops.aten
@@ -113,38 +113,9 @@ def _regions(gm: fx.GraphModule, policy: RecomputePolicy) -> List[List[fx.Node]]
 
 
 def _outline(gm: fx.GraphModule, region: List[fx.Node], index: int, label: str) -> None:
-    members = set(region)
-    inputs: List[fx.Node] = []
     for n in region:
-        for a in n.all_input_nodes:
-            if a not in members and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in region if any(u not in members for u in n.users)]
-    sub = fx.Graph()
-    env = {}
-    for a in inputs:
-        p = sub.placeholder(a.name)
-        p.meta = dict(a.meta)
-        env[a] = p
-    for n in region:
-        env[n] = sub.node_copy(n, lambda x: env[x])
         n.meta["recompute"] = label
-    sub.output(tuple(env[o] for o in outputs))
-    body = fx.GraphModule(gm, sub)
-    name = f"recompute_{index}"
-    gm.add_submodule(name, Recomputed(body, label))
-    with gm.graph.inserting_before(region[0]):
-        call = gm.graph.call_module(name, tuple(inputs))
-    call.meta["recompute"] = label
-    call.meta["nn_module_stack"] = region[0].meta.get("nn_module_stack")
-    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-    with gm.graph.inserting_after(call):
-        for i, o in enumerate(outputs):
-            get = gm.graph.call_function(operator.getitem, (call, i))
-            get.meta = dict(o.meta)
-            o.replace_all_uses_with(get)
-    for n in reversed(region):
-        gm.graph.erase_node(n)
+    outline(gm, region, f"recompute_{index}", lambda body, i, o: Recomputed(body, label), {"recompute": label})
 
 
 def apply_recompute(gm: fx.GraphModule, mode) -> fx.GraphModule:
