@@ -162,7 +162,9 @@ class FusedChain:
 
     def backward(self, xs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         full = next(x for x, k in zip(xs, self.kinds) if k == FULL)
-        dxs = [torch.empty(full.shape, dtype=torch.float32, device=full.device) for _ in xs]
+        # a full input's gradient is stored in its dtype; a row input's is summed over rows after, in fp32
+        dxs = [torch.empty(full.shape, dtype=x.dtype if k == FULL else torch.float32, device=full.device)
+               for x, k in zip(xs, self.kinds)]
         self._launch(self.bwd_src, "bwd", [x.contiguous() for x in xs] + [g.contiguous() for g in gs] + dxs,
                      full.numel(), full.shape[-1])
         out = []
