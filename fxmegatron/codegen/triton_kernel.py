@@ -98,20 +98,37 @@ def forward_source(chain: Chain, kinds: Sequence[str], name: str) -> str:
 
 
 def backward_source(chain: Chain, kinds: Sequence[str], name: str) -> str:
+    """A 2-D kernel over [rows, N] tiles: full inputs' gradients are stored per element; a row
+    input's gradient is summed over the tile's rows in the kernel (one fp32 partial per tile row
+    block), so its full-size gradient is never written."""
     xs = [str(s) for s in chain.inputs]
     gs = [str(s) for s in chain.grad_outputs]
     dxs = [f"d{x}" for x in xs]
     shared, grads = chain.backward_cse()
     lines = ["@triton.jit",
-             f"def {name}({', '.join(v + '_ptr' for v in xs + gs + dxs)}, numel, N, BLOCK: tl.constexpr):",
-             "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
-             "    mask = offs < numel"]
-    lines += _loads(xs, kinds) + _loads(gs, [FULL] * len(gs))
-    for s, e in shared:
-        lines.append(f"    {s} = {_pr(e)}")
-    for d, e in zip(dxs, grads):
-        lines.append(f"    {d} = {_pr(e)} + 0.0 * x0")   # a tensor even where the gradient is a constant
-        lines.append(f"    tl.store({d}_ptr + offs, {d}.to({d}_ptr.dtype.element_ty), mask=mask)")
+             f"def {name}({', '.join(v + '_ptr' for v in xs + gs + dxs)}, M, N, BM: tl.constexpr, "
+             "BN: tl.constexpr):",
+             "    pm = tl.program_id(0)",
+             "    cols1 = tl.program_id(1) * BN + tl.arange(0, BN)",
+             "    rows = pm * BM + tl.arange(0, BM)[:, None]",
+             "    cols = cols1[None, :]",
+             "    mask = (rows < M) & (cols < N)",
+             "    offs = rows * N + cols"]
+    for v, k in zip(xs + gs, list(kinds) + [FULL] * len(gs)):
+        if k == ROW:
+            lines.append(f"    {v} = tl.load({v}_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)")
+        else:
+            lines.append(f"    {v} = tl.load({v}_ptr + offs, mask=mask, other=0.0).to(tl.float32)")
+    full = xs[list(kinds).index(FULL)]
+    for s_, e in shared:
+        lines.append(f"    {s_} = {_pr(e)}")
+    for d, e, k in zip(dxs, grads, kinds):
+        lines.append(f"    {d} = {_pr(e)} + 0.0 * {full}")   # a tile even where the gradient is a constant
+        if k == ROW:
+            lines.append(f"    {d} = tl.sum(tl.where(mask, {d}, 0.0), axis=0)")
+            lines.append(f"    tl.store({d}_ptr + pm * N + cols1, {d}, mask=cols1 < N)")
+        else:
+            lines.append(f"    tl.store({d}_ptr + offs, {d}.to({d}_ptr.dtype.element_ty), mask=mask)")
     return "\n".join(lines) + "\n"
 
 
@@ -161,15 +178,22 @@ class FusedChain:
         return outs
 
     def backward(self, xs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        import triton
         full = next(x for x, k in zip(xs, self.kinds) if k == FULL)
-        # a full input's gradient is stored in its dtype; a row input's is summed over rows after, in fp32
-        dxs = [torch.empty(full.shape, dtype=x.dtype if k == FULL else torch.float32, device=full.device)
+        n = full.shape[-1]
+        m = full.numel() // n
+        bm, bn = 16, 128
+        blocks = triton.cdiv(m, bm)
+        # full inputs: gradients in their dtype; row inputs: one fp32 partial sum per row block
+        dxs = [torch.empty(full.shape, dtype=x.dtype, device=full.device) if k == FULL
+               else torch.empty((blocks, n), dtype=torch.float32, device=full.device)
                for x, k in zip(xs, self.kinds)]
-        self._launch(self.bwd_src, "bwd", [x.contiguous() for x in xs] + [g.contiguous() for g in gs] + dxs,
-                     full.numel(), full.shape[-1])
+        kernel = compile_source(self.bwd_src, "bwd")
+        kernel[(blocks, triton.cdiv(n, bn))](*[x.contiguous() for x in xs], *[g.contiguous() for g in gs], *dxs,
+                                            m, n, BM=bm, BN=bn)
         out = []
         for d, x, k in zip(dxs, xs, self.kinds):
-            out.append((d.reshape(-1, full.shape[-1]).sum(0) if k == ROW else d).to(x.dtype))
+            out.append((d.sum(0).reshape(x.shape) if k == ROW else d).to(x.dtype))
         return out
 
     def apply(self, *xs: torch.Tensor):
