@@ -10,24 +10,16 @@ import copy
 import os
 import sys
 
-import sympy as sp
 import torch
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 import fxmegatron  # noqa: E402
-from fxmegatron.codegen.expr import Sigmoid, derive, gelu  # noqa: E402
-from fxmegatron.codegen.triton_kernel import FULL, ROW, FusedChain  # noqa: E402
+from fxmegatron.codegen.patterns import REFERENCE_CHAINS  # noqa: E402
+from fxmegatron.codegen.triton_kernel import ROW, FusedChain  # noqa: E402
 
-x0, x1 = sp.symbols("x0 x1", real=True)
-CHAINS = {
-    "bias_gelu_tanh": (derive([x0, x1], [gelu(x0 + x1, "tanh")]), [FULL, ROW],
-                       lambda a, b: F.gelu(a + b, approximate="tanh")),
-    "bias_gelu_erf": (derive([x0, x1], [gelu(x0 + x1)]), [FULL, ROW], lambda a, b: F.gelu(a + b)),
-    "swiglu": (derive([x0, x1], [x0 * Sigmoid(x0) * x1]), [FULL, FULL], lambda a, b: F.silu(a) * b),
-}
+CHAINS = REFERENCE_CHAINS
 
 
 def rel(a, b):

@@ -6,11 +6,11 @@ import copy
 import pytest  # noqa: E402
 import sympy as sp  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from fxmegatron.codegen.expr import Sigmoid, derive, gelu, lower_nodes  # noqa: E402
-from fxmegatron.codegen.triton_kernel import FULL, ROW, FusedChain  # noqa: E402
+from fxmegatron.codegen.expr import gelu, lower_nodes  # noqa: E402
+from fxmegatron.codegen.patterns import REFERENCE_CHAINS  # noqa: E402
+from fxmegatron.codegen.triton_kernel import ROW, FusedChain  # noqa: E402
 
 import fxmegatron  # noqa: E402
 from tests import models  # noqa: E402
@@ -25,12 +25,7 @@ def interpret(monkeypatch):
 
 
 x0, x1 = sp.symbols("x0 x1", real=True)
-CHAINS = {
-    "bias_gelu_tanh": (derive([x0, x1], [gelu(x0 + x1, "tanh")]), [FULL, ROW],
-                       lambda a, b: F.gelu(a + b, approximate="tanh")),
-    "bias_gelu_erf": (derive([x0, x1], [gelu(x0 + x1)]), [FULL, ROW], lambda a, b: F.gelu(a + b)),
-    "swiglu": (derive([x0, x1], [x0 * Sigmoid(x0) * x1]), [FULL, FULL], lambda a, b: F.silu(a) * b),
-}
+CHAINS = REFERENCE_CHAINS
 
 
 def _close(a, b, tol=1e-5):
