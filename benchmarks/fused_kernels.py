@@ -1,12 +1,16 @@
 """Generated elementwise kernels against eager PyTorch and torch.compile, bf16, on one GPU.
 
-    python benchmarks/fused_kernels.py
+    python benchmarks/fused_kernels.py [--sweep]
 
-Shapes: gpt1.3b's MLP (tokens 8·2048, 4h = 8192: bias + GeLU, tanh and erf) and
-Llama-3-8B's MLP (tokens 8·2048, 14336: SiLU·mul). Times are medians of
-triton.testing.do_bench. Bandwidth counts the fewest bytes each pass must move
-(inputs read once, outputs written once) against a measured device-to-device copy.
+Shapes: gpt1.3b (micro-batch 8, s 2048, h 2048, 16 heads): bias + GeLU (tanh and erf) on
+the MLP's 4h, bias + dropout(0.1) + residual on h, scale + mask on the attention scores;
+Llama-3-8B (s 2048, 32 heads of 128, MLP 14336): SiLU·mul and the rotary embedding of q.
+Times are medians of triton.testing.do_bench. Bandwidth counts the fewest bytes each pass
+must move (every input read once, every output written once; in backward the saved
+inputs and the incoming gradient read, the input gradients written) against a measured
+device-to-device copy. ``--sweep`` also times other tile shapes and prints the best.
 """
+import argparse
 import os
 import sys
 
@@ -16,12 +20,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 from fxmegatron.codegen.patterns import REFERENCE_CHAINS  # noqa: E402
-from fxmegatron.codegen.triton_kernel import ROW, FusedChain  # noqa: E402
+from fxmegatron.codegen.triton_kernel import FULL, KEY, ROW, FusedChain, tiles  # noqa: E402
 
-TOKENS = 8 * 2048
-# (label, reference chain, width)
-CASES = [("gpt1.3b bias+GeLU(tanh)", "bias_gelu_tanh", 8192), ("gpt1.3b bias+GeLU(erf)", "bias_gelu_erf", 8192),
-         ("llama8b SiLU*mul", "swiglu", 14336)]
+B, S = 8, 2048
+# (label, reference chain, output shape)
+CASES = [("gpt1.3b bias+GeLU(tanh)", "bias_gelu_tanh", (B * S, 8192)),
+         ("gpt1.3b bias+GeLU(erf)", "bias_gelu_erf", (B * S, 8192)),
+         ("gpt1.3b bias+drop+resid", "bias_dropout_residual", (B * S, 2048)),
+         ("gpt1.3b scale+mask", "scale_mask_fill", (B, 16, S, S)),
+         ("llama8b SiLU*mul", "swiglu", (B * S, 14336)),
+         ("llama8b rotary q", "rotary", (B, 32, S, 128))]
+SWEEP = [(bm, bn, w) for bn in (64, 128, 256, 512) for bm in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8)
+         if 1024 <= bm * bn <= 16384]
 
 
 def bench(fn):
@@ -29,7 +39,15 @@ def bench(fn):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def nbytes(ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
     dev = "cuda"
     big = torch.empty(2**28, dtype=torch.bfloat16, device=dev).normal_()
     out = torch.empty_like(big)
@@ -38,37 +56,65 @@ def main():
     del big, out
     print(f"device-to-device copy: {copy_bw:.0f} GB/s (read + write)\n", flush=True)
     print(f"{'chain':26s} {'pass':8s} {'eager ms':>9s} {'compile ms':>10s} {'fused ms':>9s} "
-          f"{'fused GB/s':>10s} {'% copy':>7s}")
-    for name, key, n in CASES:
-        chain, kinds, ref = REFERENCE_CHAINS[key]
-        fused = FusedChain(chain, kinds)
-        a = torch.randn(TOKENS, n, device=dev, dtype=torch.bfloat16).requires_grad_()
-        b = torch.randn(n if kinds[1] == ROW else (TOKENS, n), device=dev, dtype=torch.bfloat16).requires_grad_()
-        g = torch.randn(TOKENS, n, device=dev, dtype=torch.bfloat16)
-        compiled = torch.compile(ref)
-        full_b = 2 * a.numel()
-        b_bytes = 2 * b.numel()
-        fwd_bytes = full_b + b_bytes + full_b                  # read a, b; write y
-        bwd_bytes = full_b + b_bytes + full_b + full_b + (b_bytes if kinds[1] == ROW else full_b)
+          f"{'fused GB/s':>10s} {'% copy':>7s} {'vs compile':>10s}")
+    gen = torch.Generator().manual_seed(0)
+    for label, key, shape in CASES:
+        if args.only and args.only not in key:
+            continue
+        ref = REFERENCE_CHAINS[key]
+        fused = FusedChain(ref.chain, ref.kinds)
+        xs = ref.inputs(shape, torch.bfloat16, dev, generator=gen)
+        xs = [x.requires_grad_() if k in (FULL, ROW) else x for x, k in zip(xs, ref.kinds)]
+        g = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        compiled = torch.compile(ref.eager)
+        data = [x for x, k in zip(xs, ref.kinds) if k != KEY]
+        fwd_bytes = nbytes(data) + nbytes([g])
+        bwd_bytes = nbytes(data) + nbytes([g]) + nbytes([x for x in xs if x.requires_grad])
         with torch.no_grad():
-            te = bench(lambda: ref(a, b))
-            tc = bench(lambda: compiled(a, b))
-            tf = bench(lambda: fused.forward(a, b))
-        print(f"{name:26s} {'forward':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {fwd_bytes / tf / 1e6:10.0f} "
-              f"{fwd_bytes / tf / 1e6 / copy_bw * 100:6.0f}%", flush=True)
+            te = bench(lambda: ref.eager(*xs))
+            tc = bench(lambda: compiled(*xs))
+            tf = bench(lambda: fused.forward(*xs))
+        print(f"{label:26s} {'forward':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {fwd_bytes / tf / 1e6:10.0f} "
+              f"{fwd_bytes / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
 
         def step(f):
             def run():
-                y = f(a, b)
+                y = f(*xs)
                 y.backward(g)
-                a.grad = b.grad = None
+                for x in xs:
+                    x.grad = None
             return run
-        te = bench(step(ref))
+        te = bench(step(ref.eager))
         tc = bench(step(compiled))
         tf = bench(step(fused.apply))
         both = fwd_bytes + bwd_bytes
-        print(f"{name:26s} {'fwd+bwd':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
-              f"{both / tf / 1e6 / copy_bw * 100:6.0f}%", flush=True)
+        print(f"{label:26s} {'fwd+bwd':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
+              f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
+        if args.sweep:
+            n = shape[-1]
+            res = {}
+            for bwd in (False, True):
+                best = None
+                for cfg in SWEEP:
+                    if cfg[1] > 2 * n:
+                        continue
+                    if bwd:
+                        fused.bwd_tiles = cfg
+                        ys = xs
+                        tt = bench(lambda: fused.backward(ys, [g], [x.requires_grad for x in xs]))
+                    else:
+                        fused.fwd_tiles = cfg
+                        with torch.no_grad():
+                            tt = bench(lambda: fused.forward(*xs))
+                    if best is None or tt < best[0]:
+                        best = (tt, cfg)
+                fused.fwd_tiles = fused.bwd_tiles = None
+                with torch.no_grad():
+                    dflt = bench(lambda: fused.backward(xs, [g], [x.requires_grad for x in xs])) if bwd \
+                        else bench(lambda: fused.forward(*xs))
+                res["bwd" if bwd else "fwd"] = (best, dflt, tiles(n, bwd, ROW in ref.kinds))
+            for k, ((tb, cfg), dflt, d_cfg) in res.items():
+                print(f"    sweep {k}: best {cfg} {tb:.3f} ms; default {d_cfg} {dflt:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Counter-based dropout: the mask of an element is a hash of (seed, step, site, global index).
+"""Counter-based dropout: the mask of an element is Philox of (seed, step, site, global index).
 
 Megatron keeps two RNG streams (one shared by the tp group, one per tp rank) so
 that dropout outside tensor-parallel regions draws the same mask on every tp
@@ -12,8 +12,12 @@ on tp, sequence parallelism or recomputation.
   it as an input (``torch.utils.checkpoint`` saves inputs), so recomputation
   replays the same masks with no RNG state to restore.
 * ``site`` numbers the dropout calls of the graph in order.
-* The hash is integer arithmetic on int64 tensors kept below 2**32, so that no
-  product overflows: it gives the same bits on CPU and GPU.
+* The random bits are Triton's Philox 4x32-10 (``tl.rand(seed, offset)``): key
+  (k0, k1) = (mixed seed + site, step), counter = the global element index.
+  Generated kernels call ``tl.rand`` itself and regenerate the mask in backward;
+  ``philox_uniform`` below is the same function in int64 torch ops (every product
+  split so that nothing overflows), so fused and unfused dropout draw the same
+  mask bit for bit, on CPU and GPU.
 """
 from __future__ import annotations
 
@@ -30,13 +34,47 @@ from .placement import Placement, Shard, shard_slices
 _MASK = 0xFFFFFFFF
 
 
-def _mix(x: Tensor) -> Tensor:
-    """A 32-bit integer finaliser (lowbias32 shape); multipliers < 2**31 keep int64 exact."""
-    x = x ^ (x >> 16)
+def _mix(x: int) -> int:
+    """A 32-bit integer finaliser (lowbias32): spreads a small seed over the key's bits."""
+    x &= _MASK
+    x ^= x >> 16
     x = (x * 0x7FEB352D) & _MASK
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _MASK
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK
     return x ^ (x >> 16)
+
+
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_UNIFORM_SCALE = 4.6566127342e-10      # triton.language.random.uint_to_uniform_float, 32-bit
+
+
+def _mulhilo(a: int, b: Tensor) -> Tuple[Tensor, Tensor]:
+    """(hi, lo) 32-bit words of a * b for a constant a < 2**32 and b in [0, 2**32), in int64
+    without overflow: b is split in 16-bit halves so every partial product is < 2**49."""
+    t = a * (b & 0xFFFF)
+    u = a * (b >> 16) + (t >> 16)
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox_uniform(k0: Tensor, k1: Tensor, counter: Tensor) -> Tensor:
+    """``tl.rand`` in torch: uniform float32 in [0, 1) from Philox 4x32-10 with key (k0, k1)
+    and counter (low word, high word, 0, 0) of ``counter`` (int64 >= 0)."""
+    c0, c1 = counter & _MASK, counter >> 32
+    c2 = c3 = torch.zeros((), dtype=torch.int64, device=counter.device)
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo(_PHILOX_ROUND[1], c2)
+        hi_a, lo_a = _mulhilo(_PHILOX_ROUND[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _MASK, (k1 + _PHILOX_KEY[1]) & _MASK
+    x = torch.where(c0 >= 2 ** 31, c0 - 2 ** 32, c0)          # the int32 view of the word
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=x.device)
+
+
+def philox_key(key: Tensor, site: int) -> Tuple[Tensor, Tensor]:
+    """Philox key words of a dropout site: ((mixed seed + site) mod 2**32, step mod 2**32)."""
+    return (key[0] + site) & _MASK, key[1] & _MASK
 
 
 class DropoutRng(nn.Module):
@@ -48,8 +86,8 @@ class DropoutRng(nn.Module):
         self.step = 0
 
     def next_key(self, device) -> Tensor:
-        """The key for one forward call: (seed, step), then the step advances."""
-        key = torch.tensor([self.seed & _MASK, self.step & _MASK], dtype=torch.int64, device=device)
+        """The key for one forward call: (mixed seed, step), then the step advances."""
+        key = torch.tensor([_mix(self.seed ^ 0x2545F491), self.step & _MASK], dtype=torch.int64, device=device)
         self.step += 1
         return key
 
@@ -94,13 +132,33 @@ def keep_mask(key: Tensor, site: int, p: float, local_shape, global_shape, shard
     """Boolean mask (True = keep) for the local piece of a dropout over ``global_shape``
     (``shard_dim``, ``slices``: see ``local_layout``)."""
     idx = global_index(local_shape, global_shape, shard_dim, slices, key.device)
-    base = _mix((_mix(key[0] ^ 0x2545F491) + key[1] * 0x27D4EB2F + site * 0x165667B1) & _MASK)
-    h = _mix((idx & _MASK) ^ base)
-    if math.prod(global_shape) > _MASK:
-        h = _mix(h ^ (idx >> 32))
-    # top 24 bits -> uniform in [0, 1) with float32-exact steps
-    u = (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
-    return u >= p
+    k0, k1 = philox_key(key, site)
+    return philox_uniform(k0, k1, idx) >= torch.tensor(p, dtype=torch.float32)
+
+
+_KERNELS: dict = {}
+
+
+def _real_cuda(x: Tensor) -> bool:
+    """A CUDA tensor with memory behind it (shape propagation runs ops on fake ones)."""
+    from torch._subclasses.fake_tensor import is_fake
+    return x.is_cuda and not is_fake(x)
+
+
+def _dropout_kernel(p, site, global_shape, shard_dim, slices):
+    """On GPUs: the same dropout as one generated Triton kernel (``tl.rand``, the mask drawn
+    again in backward) instead of Philox's ~250 int64 torch ops."""
+    k = (p, site, global_shape, shard_dim, tuple(slices))
+    if k not in _KERNELS:
+        import sympy as sp
+
+        from .codegen.expr import DropoutSite, derive
+        from .codegen.triton_kernel import FULL, KEY, FusedChain
+        x0, x1, m = sp.symbols("x0 x1 m0", real=True)
+        start = slices[0][0] if slices else 0
+        dsite = DropoutSite(m, 1, site, p, global_shape, shard_dim if slices else -1, start)
+        _KERNELS[k] = FusedChain(derive([x0, x1], [x0 * m * sp.Float(1 / (1 - p))], [dsite]), [FULL, KEY])
+    return _KERNELS[k]
 
 
 def counter_dropout(x: Tensor, p: float, train: bool, key: Tensor, site: int,
@@ -110,6 +168,8 @@ def counter_dropout(x: Tensor, p: float, train: bool, key: Tensor, site: int,
         return x
     if p >= 1.0:
         return x * 0.0
+    if _real_cuda(x) and len(slices) <= 1 and math.prod(global_shape) < 2 ** 32:
+        return _dropout_kernel(p, site, tuple(global_shape), shard_dim, slices).apply(x, key)
     keep = keep_mask(key, site, p, x.shape, global_shape, shard_dim, slices)
     # where() keeps the 1-byte mask for backward, not a float copy of it
     return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)

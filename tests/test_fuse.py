@@ -1,8 +1,9 @@
-"""The fuse pass inside the parallel programs (gloo, CPU: fused groups run as their ATen ops
-here; the generated kernels are tested in test_codegen.py): tensor, sequence and pipeline
-parallel parity with fuse=True."""
+"""The fuse pass inside the parallel programs (gloo, CPU; the workers inherit
+TRITON_INTERPRET=1 from conftest, so fused groups run their generated kernels in the
+interpreter): tensor, sequence and pipeline parallel parity with fuse=True, and dropout
+fused into kernels drawing the masks of the unfused one-process run."""
 from tests.distributed import run_distributed
-from tests.workers import pipeline_parity, tp_parity
+from tests.workers import dropout_runs, pipeline_parity, tp_parity
 
 MODELS = ("gpt", "gpt2", "llama")
 
@@ -25,3 +26,20 @@ def test_pipeline_with_fuse():
             for a, b in zip(r["losses"], r["losses_ref"]):
                 assert abs(a - b) <= 1e-5 * abs(b), (key, rank, r)
             assert not {n: e for n, e in r["grad_err"].items() if e > 1e-4}, (key, rank)
+
+
+def test_fused_dropout_equals_unfused_single_process():
+    """Dropout 0.1 at tp2 with SP, fuse=True: the kernels' Philox masks (bias+dropout+residual,
+    lone dropouts; sharded along the sequence) are the unfused run's, so losses and gradients
+    equal the one-process run without fusion."""
+    per_rank = run_distributed(dropout_runs, 2, ("gpt", "gpt2"), [(True, "none")], 2, 0.1, {"fuse": True})
+    for res in per_rank:
+        for name, r in res.items():
+            single_losses, single_grads = r["single"]
+            losses, grads = r[(True, "none")]
+            for a, b in zip(losses, single_losses):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, losses, single_losses)
+            scale = 0.01 * max(g.abs().max().item() for g in single_grads.values())
+            for n, g in single_grads.items():
+                err = ((grads[n] - g).abs().max() / max(g.abs().max().item(), scale)).item()
+                assert err <= 1e-4, (name, n, err)

@@ -66,9 +66,10 @@ def _run_steps(pm, name, steps):
     return losses, grads
 
 
-def dropout_runs(rank, world, names, layouts, steps=2, p=0.1):
+def dropout_runs(rank, world, names, layouts, steps=2, p=0.1, extra=None):
     """With dropout ``p``: losses and first-step gradients of fxmegatron at tp=world for each
-    (sequence_parallel, recompute) layout, and of fxmegatron on one process (tp=1)."""
+    (sequence_parallel, recompute) layout (with ``extra`` keywords), and of fxmegatron on one
+    process (tp=1, no extra keywords)."""
     import fxmegatron
 
     mesh = tp_mesh(world)
@@ -79,7 +80,7 @@ def dropout_runs(rank, world, names, layouts, steps=2, p=0.1):
         out[name] = {"single": _run_steps(single, name, steps)}
         for sp, rc in layouts:
             pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name), seed=5,
-                                        sequence_parallel=sp, recompute=rc)
+                                        sequence_parallel=sp, recompute=rc, **(extra or {}))
             out[name][(sp, rc)] = _run_steps(pm, name, steps)
     return out
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import sympy as sp
 import torch
@@ -42,9 +42,24 @@ def _arg(node, i, name, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
+def _true(c):
+    """A 0/1 (bool-loaded) symbol as a sympy condition."""
+    return sp.StrictGreaterThan(c, sp.Float(0.5))
+
+
+def _value(v):
+    if isinstance(v, float) and math.isinf(v):
+        return sp.oo if v > 0 else -sp.oo
+    return sp.Float(v) if isinstance(v, float) else v
+
+
 # ATen elementwise op -> sympy form (args already lowered)
 def _lower(node: fx.Node, a: List) -> sp.Expr:
     pk = getattr(node.target, "overloadpacket", node.target)
+    if pk is aten.where:
+        return sp.Piecewise((_value(a[1]), _true(a[0])), (_value(a[2]), True))
+    if pk is aten.masked_fill:
+        return sp.Piecewise((_value(a[2]), _true(a[1])), (a[0], True))
     if pk is aten.add:
         return a[0] + _arg(node, 2, "alpha", 1) * a[1]
     if pk is aten.sub:
@@ -80,28 +95,81 @@ def _lower(node: fx.Node, a: List) -> sp.Expr:
 
 
 ELEMENTWISE = {aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.exp, aten.tanh, aten.sigmoid, aten.silu,
-               aten.gelu, aten.erf, aten.pow, aten.sqrt, aten.rsqrt}
+               aten.gelu, aten.erf, aten.pow, aten.sqrt, aten.rsqrt, aten.where, aten.masked_fill}
+
+
+@dataclass(frozen=True)
+class DropoutSite:
+    """A dropout inside a chain: ``mask`` (a 0/1 symbol in the expressions) is drawn in the kernel
+    by ``tl.rand`` from the key input ``key`` (see ``fxmegatron.rng``) at each element's index in
+    the unsplit tensor, and drawn again in backward: never stored."""
+
+    mask: sp.Symbol
+    key: int                          # index of the key input ([mixed seed, step], int64)
+    site: int
+    p: float
+    global_shape: Tuple[int, ...]
+    shard_dim: int = -1               # this rank holds [start, start + local) of shard_dim
+    start: int = 0
 
 
 @dataclass
 class Chain:
-    """Forward and backward expressions of an elementwise group."""
+    """Forward and backward expressions of an elementwise group.
+
+    ``rotated`` maps an input index i to the symbol standing for rotate_half(x_i) at the same
+    position (the last dim's halves swapped, the first negated): the rotary embedding's
+    ``cat(-x2, x1)``. Its gradient reaches x_i through the transposed rotation."""
 
     inputs: Tuple[sp.Symbol, ...]            # x0, x1, ...: the group's tensor inputs
     outputs: Tuple[sp.Expr, ...]             # one per group output
     grad_outputs: Tuple[sp.Symbol, ...]      # g0, g1, ...: gradients arriving at the outputs
-    grads: Tuple[sp.Expr, ...]               # d loss / d x_i, one per input
+    grads: Tuple[sp.Expr, ...]               # d loss / d x_i, one per input (direct terms)
+    dropouts: Tuple[DropoutSite, ...] = ()
+    rotated: Dict[int, sp.Symbol] = field(default_factory=dict)
+    rot_grads: Dict[int, sp.Expr] = field(default_factory=dict)   # d loss / d rotate_half(x_i)
 
     def backward_cse(self):
         """(shared subexpressions, gradient expressions) after CSE."""
         return sp.cse(list(self.grads), symbols=sp.numbered_symbols("t"), optimizations="basic")
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's rotation: last dim's halves swapped, the first negated. A graph
+    node calling it lowers to the rotated-input symbol of its argument."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rotate_symbol(i: int) -> sp.Symbol:
+    return sp.Symbol(f"r{i}", real=True)
+
+
 def lower_nodes(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> Chain:
-    """Expressions for ``outputs`` of the elementwise ``nodes`` over ``inputs`` (scalars inline)."""
+    """Expressions for ``outputs`` of the elementwise ``nodes`` over ``inputs`` (scalars inline).
+
+    Besides ATen elementwise ops, a node may be ``fxmegatron.rng.counter_dropout`` (a mask
+    symbol) or ``rotate_half`` of an input (the rotated-input symbol)."""
+    from ..rng import counter_dropout
+
     syms = sp.symbols(f"x0:{len(inputs)}", real=True)
     env: Dict[fx.Node, sp.Expr] = dict(zip(inputs, syms))
+    index = {n: i for i, n in enumerate(inputs)}
+    dropouts, rotated = [], {}
     for n in nodes:
+        if n.target is rotate_half:
+            i = index[n.args[0]]
+            rotated[i] = rotate_symbol(i)
+            env[n] = rotated[i]
+            continue
+        if n.target is counter_dropout:
+            x, p, _train, key, site, gshape = n.args[:6]
+            shard_dim, slices = (n.args[6], n.args[7]) if len(n.args) > 7 else (-1, ())
+            start = slices[0][0] if slices else 0
+            m = sp.Symbol(f"m{len(dropouts)}", real=True)
+            dropouts.append(DropoutSite(m, index[key], site, float(p), tuple(gshape), shard_dim, start))
+            env[n] = env[x] * m * sp.Float(1.0 / (1.0 - p))
+            continue
         args = []
         for a in n.args:
             if isinstance(a, fx.Node):
@@ -112,11 +180,19 @@ def lower_nodes(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], outputs: Se
                 args.append(a)
         env[n] = _lower(n, args)
     outs = tuple(env[o] for o in outputs)
-    return derive(syms, outs)
+    return derive(syms, outs, dropouts, rotated)
 
 
-def derive(inputs: Sequence[sp.Symbol], outputs: Sequence[sp.Expr]) -> Chain:
-    """Backward of ``outputs`` (expressions over ``inputs``) by symbolic differentiation."""
+def derive(inputs: Sequence[sp.Symbol], outputs: Sequence[sp.Expr], dropouts: Sequence[DropoutSite] = (),
+           rotated: Optional[Dict[int, sp.Symbol]] = None) -> Chain:
+    """Backward of ``outputs`` (expressions over ``inputs``, mask and rotation symbols) by symbolic
+    differentiation; masks are constants of the derivative."""
     gsyms = sp.symbols(f"g0:{len(outputs)}", real=True)
-    grads = tuple(sp.Add(*[g * sp.diff(o, x) for g, o in zip(gsyms, outputs)]) for x in inputs)
-    return Chain(tuple(inputs), tuple(outputs), tuple(gsyms), grads)
+
+    def grad(x):
+        return sp.Add(*[g * sp.diff(o, x) for g, o in zip(gsyms, outputs)])
+
+    rotated = dict(rotated or {})
+    grads = tuple(grad(x) for x in inputs)
+    rot_grads = {i: grad(r) for i, r in rotated.items()}
+    return Chain(tuple(inputs), tuple(outputs), tuple(gsyms), grads, tuple(dropouts), rotated, rot_grads)

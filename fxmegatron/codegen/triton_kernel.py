@@ -1,18 +1,33 @@
 """Triton source for an elementwise chain (forward, and backward that recomputes the chain).
 
-Inputs are either *full* (the output's shape) or *row* tensors broadcast along the
-last dim (a bias of size N under an [M, N] activation). Loads are upcast to fp32,
-the arithmetic is fp32, stores cast to the output's dtype. The backward saves only
-the chain's inputs and recomputes the forward expressions it needs, so no
-intermediate is ever stored. Kernels are cached by their source text.
+The output is seen as [M, N] (N its last dim) and each kernel program owns a
+[BM, BN] tile. An input is
+
+* ``full``: the output's shape;
+* ``row``: broadcast along every dim but the last (a bias); in backward its
+  gradient is summed over the tile's rows in the kernel;
+* ``bcast``: any other shape that broadcasts to the output (rotary cos/sin,
+  an attention mask); its offset is computed from the tile's coordinates, and its
+  gradient, when asked for, is stored at full size and summed on the host;
+* ``key``: a dropout key (``fxmegatron.rng``), read as two scalars.
+
+Loads are upcast to fp32, the arithmetic is fp32, stores cast to the output's
+dtype. Dropout masks come from ``tl.rand`` and are drawn again in backward. The
+backward saves only the chain's inputs and recomputes what it needs, so no
+intermediate is ever stored. A rotated input (rotary embedding) is also loaded at
+its partner column; its gradient adds the transposed rotation of the gradient
+with respect to the rotated value, evaluated at the partner. Kernels are cached
+by their source text.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import tempfile
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import sympy as sp
 import torch
@@ -20,7 +35,7 @@ from sympy.printing.str import StrPrinter
 
 from .expr import Chain, Sigmoid
 
-FULL, ROW = "full", "row"
+FULL, ROW, BCAST, KEY = "full", "row", "bcast", "key"
 
 
 class TritonPrinter(StrPrinter):
@@ -40,6 +55,12 @@ class TritonPrinter(StrPrinter):
 
     _print_Pi = _print_Exp1 = _print_NumberSymbol
 
+    def _print_Infinity(self, e):
+        return 'float("inf")'
+
+    def _print_NegativeInfinity(self, e):
+        return 'float("-inf")'
+
     def _print_Pow(self, e, rational=False):
         if e.is_number:            # sqrt(2), pi**-0.5, ...: a float literal
             return repr(float(e))
@@ -53,6 +74,12 @@ class TritonPrinter(StrPrinter):
         if x == sp.Rational(-1, 2):
             return f"tl.rsqrt({b})"
         return f"tl.exp(({self._print(x)})*tl.log({b}))"
+
+    def _print_Piecewise(self, e):
+        (val, cond), rest = e.args[0], e.args[1:]
+        other = self._print(rest[0].expr) if len(rest) == 1 and rest[0].cond == sp.true else \
+            self._print(sp.Piecewise(*rest))
+        return f"tl.where({self._print(cond)}, {self._print(val)}, {other})"
 
     def _print_Function(self, e):
         if e.is_number:
@@ -75,61 +102,158 @@ def _pr(e) -> str:
     return TritonPrinter().doprint(e)
 
 
-def _loads(names: Sequence[str], kinds: Sequence[str]) -> List[str]:
-    out = []
-    for n, k in zip(names, kinds):
-        idx = "offs % N" if k == ROW else "offs"
-        out.append(f"    {n} = tl.load({n}_ptr + {idx}, mask=mask, other=0.0).to(tl.float32)")
-    return out
+@dataclass(frozen=True)
+class Layout:
+    """What a kernel's source depends on besides the chain: the output shape, each broadcast
+    input's shape (padded to the output's rank) and whether offsets need int64."""
+
+    shape: Tuple[int, ...]
+    bcast: Tuple[Optional[Tuple[int, ...]], ...]
+    big: bool
 
 
-def forward_source(chain: Chain, kinds: Sequence[str], name: str) -> str:
-    xs = [str(s) for s in chain.inputs]
+def _bcast_offset(shape, ishape, rows: str, cols: str) -> str:
+    """Offset into a contiguous ``ishape`` input broadcast to ``shape``, from [rows, cols] of the
+    output viewed as [prod(shape[:-1]), shape[-1]]."""
+    nd = len(shape)
+    strides, acc = [0] * nd, 1
+    for k in range(nd - 1, -1, -1):
+        strides[k] = acc if ishape[k] != 1 else 0
+        acc *= ishape[k]
+    terms = [f"{cols} * {strides[-1]}"] if strides[-1] else []
+    inner = 1
+    for k in range(nd - 2, -1, -1):
+        if strides[k]:
+            coord = f"({rows} // {inner})" if inner > 1 else rows
+            if k > 0:
+                coord = f"({coord} % {shape[k]})"
+            terms.append(f"{coord} * {strides[k]}")
+        inner *= shape[k]
+    return " + ".join(terms) or "0"
+
+
+class _Emitter:
+    """Lines of one kernel: loads and masks at the tile's positions (suffix "") and, for
+    rotated inputs in backward, at the partner columns (suffix "_p")."""
+
+    def __init__(self, chain: Chain, kinds: Sequence[str], layout: Layout):
+        self.chain, self.kinds, self.layout = chain, list(kinds), layout
+        self.xs = [str(s) for s in chain.inputs]
+        self.lines: List[str] = []
+
+    def add(self, line: str):
+        self.lines.append("    " + line)
+
+    def preamble(self):
+        self.add("pm = tl.program_id(0)")
+        self.add("cols1 = tl.program_id(1) * BN + tl.arange(0, BN)")
+        rows = "(pm * BM + tl.arange(0, BM)).to(tl.int64)" if self.layout.big else "pm * BM + tl.arange(0, BM)"
+        self.add(f"rows = ({rows})[:, None]")
+        self.add("cols = cols1[None, :]")
+        self.add("mask = (rows < M) & (cols < N)")
+        self.add("offs = rows * N + cols")
+        if self.chain.rotated:
+            self.add("H = N // 2")
+            self.add("pcols = tl.where(cols < H, cols + H, cols - H)")
+            self.add("poffs = rows * N + pcols")
+            self.add("sgn = tl.where(cols < H, -1.0, 1.0)")
+        for j, d in enumerate(self.chain.dropouts):
+            k = self.xs[d.key]
+            # Philox key (k0, k1) = (mixed seed + site mod 2**32, step): see fxmegatron.rng.philox_key
+            self.add(f"sd{j} = (tl.load({k}_ptr + 1) << 32) + ((tl.load({k}_ptr) + {d.site}) % 4294967296)")
+
+    def _gidx(self, d, offs: str) -> str:
+        """Each element's index in the unsplit tensor of a dropout (single-slice shards only)."""
+        if d.shard_dim < 0:
+            return offs
+        shape = self.layout.shape
+        inner = math.prod(shape[d.shard_dim + 1:])
+        li, gi = shape[d.shard_dim] * inner, d.global_shape[d.shard_dim] * inner
+        return f"(({offs}) // {li}) * {gi} + {d.start * inner} + ({offs}) % {li}"
+
+    def point(self, sfx: str, grads: bool):
+        """Loads (and dropout masks, rotations) at the tile (sfx "") or its partner columns ("_p")."""
+        offs, cols = ("offs", "cols") if not sfx else ("poffs", "pcols")
+        for i, (x, k) in enumerate(zip(self.xs, self.kinds)):
+            if k == KEY:
+                continue
+            if k == FULL:
+                idx, m = offs, "mask"
+            elif k == ROW:
+                idx, m = cols, f"{cols} < N"
+            else:
+                idx, m = _bcast_offset(self.layout.shape, self.layout.bcast[i], "rows", cols), "mask"
+            self.add(f"{x}{sfx} = tl.load({x}_ptr + {idx}, mask={m}, other=0).to(tl.float32)")
+        if grads:
+            for g in self.chain.grad_outputs:
+                self.add(f"{g}{sfx} = tl.load({g}_ptr + {offs}, mask=mask, other=0).to(tl.float32)")
+        for j, d in enumerate(self.chain.dropouts):
+            u = f"tl.rand(sd{j}, ({self._gidx(d, offs)}).to(tl.uint32))"
+            self.add(f"{d.mask}{sfx} = tl.where({u} >= {float(d.p)!r}, 1.0, 0.0)")
+        for i, r in self.chain.rotated.items():
+            x = self.xs[i]
+            if sfx:    # rotate_half(x) at the partner: -sgn * x here
+                self.add(f"{r}_p = -sgn * {x}")
+            else:
+                self.add(f"{r} = sgn * tl.load({x}_ptr + poffs, mask=mask, other=0).to(tl.float32)")
+
+
+def forward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layout) -> str:
+    em = _Emitter(chain, kinds, layout)
     outs = [f"y{i}" for i in range(len(chain.outputs))]
-    lines = ["@triton.jit",
-             f"def {name}({', '.join(x + '_ptr' for x in xs + outs)}, numel, N, BLOCK: tl.constexpr):",
-             "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
-             "    mask = offs < numel"]
-    lines += _loads(xs, kinds)
+    head = ["@triton.jit",
+            f"def {name}({', '.join(x + '_ptr' for x in em.xs + outs)}, M, N, BM: tl.constexpr, "
+            "BN: tl.constexpr):"]
+    em.preamble()
+    em.point("", grads=False)
     for o, e in zip(outs, chain.outputs):
-        lines.append(f"    {o} = {_pr(e)}")
-        lines.append(f"    tl.store({o}_ptr + offs, {o}.to({o}_ptr.dtype.element_ty), mask=mask)")
-    return "\n".join(lines) + "\n"
+        em.add(f"{o} = {_pr(e)}")
+        em.add(f"tl.store({o}_ptr + offs, {o}.to({o}_ptr.dtype.element_ty), mask=mask)")
+    return "\n".join(head + em.lines) + "\n"
 
 
-def backward_source(chain: Chain, kinds: Sequence[str], name: str) -> str:
-    """A 2-D kernel over [rows, N] tiles: full inputs' gradients are stored per element; a row
-    input's gradient is summed over the tile's rows in the kernel (one fp32 partial per tile row
-    block), so its full-size gradient is never written."""
-    xs = [str(s) for s in chain.inputs]
+def _partner(e: sp.Expr, chain: Chain) -> sp.Expr:
+    syms = list(chain.inputs) + list(chain.grad_outputs) + [d.mask for d in chain.dropouts] + \
+        list(chain.rotated.values())
+    return e.xreplace({s: sp.Symbol(f"{s}_p", real=True) for s in syms})
+
+
+def backward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layout,
+                    needs: Optional[Sequence[bool]] = None) -> str:
+    """Gradients of the inputs in ``needs`` (default: all but keys). Full inputs' gradients are
+    stored per element; a row input's is summed over the tile's rows (one fp32 partial per
+    row block); a broadcast input's is stored at full size in fp32."""
+    em = _Emitter(chain, kinds, layout)
     gs = [str(s) for s in chain.grad_outputs]
-    dxs = [f"d{x}" for x in xs]
-    shared, grads = chain.backward_cse()
-    lines = ["@triton.jit",
-             f"def {name}({', '.join(v + '_ptr' for v in xs + gs + dxs)}, M, N, BM: tl.constexpr, "
-             "BN: tl.constexpr):",
-             "    pm = tl.program_id(0)",
-             "    cols1 = tl.program_id(1) * BN + tl.arange(0, BN)",
-             "    rows = pm * BM + tl.arange(0, BM)[:, None]",
-             "    cols = cols1[None, :]",
-             "    mask = (rows < M) & (cols < N)",
-             "    offs = rows * N + cols"]
-    for v, k in zip(xs + gs, list(kinds) + [FULL] * len(gs)):
-        if k == ROW:
-            lines.append(f"    {v} = tl.load({v}_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)")
-        else:
-            lines.append(f"    {v} = tl.load({v}_ptr + offs, mask=mask, other=0.0).to(tl.float32)")
-    full = xs[list(kinds).index(FULL)]
+    needs = [k != KEY for k in kinds] if needs is None else [bool(n) and k != KEY for n, k in zip(needs, kinds)]
+    dxs = [f"d{x}" for x, k in zip(em.xs, kinds) if k != KEY]
+    head = ["@triton.jit",
+            f"def {name}({', '.join(v + '_ptr' for v in em.xs + gs + dxs)}, M, N, BM: tl.constexpr, "
+            "BN: tl.constexpr):"]
+    em.preamble()
+    em.point("", grads=True)
+    want = [i for i, n in enumerate(needs) if n]
+    exprs = [chain.grads[i] for i in want]
+    rot = [i for i in want if i in chain.rotated]
+    if rot:
+        em.point("_p", grads=True)
+        exprs += [_partner(chain.rot_grads[i], chain) for i in rot]
+    shared, red = sp.cse(exprs, symbols=sp.numbered_symbols("t"), optimizations="basic")
     for s_, e in shared:
-        lines.append(f"    {s_} = {_pr(e)}")
-    for d, e, k in zip(dxs, grads, kinds):
-        lines.append(f"    {d} = {_pr(e)} + 0.0 * {full}")   # a tile even where the gradient is a constant
+        em.add(f"{s_} = {_pr(e)}")
+    val = dict(zip(want, red[:len(want)]))
+    rval = dict(zip(rot, red[len(want):]))
+    for i in want:
+        d, k = f"d{em.xs[i]}", kinds[i]
+        em.add(f"{d} = {_pr(val[i])} + 0.0 * {gs[0]}")   # a tile even where the gradient is a constant
+        if i in rval:    # the transposed rotation: -rotate_half of the rotated value's gradient
+            em.add(f"{d} = {d} - sgn * ({_pr(rval[i])})")
         if k == ROW:
-            lines.append(f"    {d} = tl.sum(tl.where(mask, {d}, 0.0), axis=0)")
-            lines.append(f"    tl.store({d}_ptr + pm * N + cols1, {d}, mask=cols1 < N)")
+            em.add(f"{d} = tl.sum(tl.where(mask, {d}, 0.0), axis=0)")
+            em.add(f"tl.store({d}_ptr + pm * N + cols1, {d}, mask=cols1 < N)")
         else:
-            lines.append(f"    tl.store({d}_ptr + offs, {d}.to({d}_ptr.dtype.element_ty), mask=mask)")
-    return "\n".join(lines) + "\n"
+            em.add(f"tl.store({d}_ptr + offs, {d}.to({d}_ptr.dtype.element_ty), mask=mask)")
+    return "\n".join(head + em.lines) + "\n"
 
 
 _CACHE: Dict[str, object] = {}
@@ -158,42 +282,119 @@ def compile_source(src: str, name: str):
     return kernel
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def tiles(n: int, backward: bool, row_grad: bool = False) -> Tuple[int, int, int]:
+    """(BM, BN, num_warps) for an [M, n] output, from a sweep on an H200
+    (``benchmarks/fused_kernels.py --sweep``): 4096-element tiles; a backward that sums a bias
+    gradient takes tall narrow tiles (fewer row partials). Fixed, not timed at run time: every
+    tp rank must sum a replicated bias's gradient in the same order."""
+    if backward and row_grad:
+        bn = min(_pow2(n), 64)
+        return max(1, 4096 // bn), bn, 4
+    bn = min(_pow2(n), 128)
+    return max(1, (4096 if not backward else 2048) // bn), bn, 8
+
+
 class FusedChain:
-    """Runs a ``Chain`` as two generated kernels; ``apply`` is differentiable."""
+    """Runs a ``Chain`` as two generated kernels; ``apply`` is differentiable.
 
-    def __init__(self, chain: Chain, kinds: Sequence[str], block: int = 1024):
-        self.chain, self.kinds, self.block = chain, list(kinds), block
-        self.fwd_src = forward_source(chain, kinds, "fwd")
-        self.bwd_src = backward_source(chain, kinds, "bwd")
+    ``shapes`` (the inputs' shapes, optional) fixes the layout that ``fwd_src``/``bwd_src``
+    show; calls generate (and cache) the source of the layout they meet."""
 
-    def _launch(self, src, name, args, numel, n):
-        import triton
-        kernel = compile_source(src, name)
-        kernel[(triton.cdiv(numel, self.block),)](*args, numel, n, BLOCK=self.block)
+    def __init__(self, chain: Chain, kinds: Sequence[str], shapes: Optional[Sequence[Tuple[int, ...]]] = None):
+        self.chain, self.kinds = chain, list(kinds)
+        self.fwd_tiles: Optional[Tuple[int, int, int]] = None     # overrides of ``tiles`` (benchmarks)
+        self.bwd_tiles: Optional[Tuple[int, int, int]] = None
+        self._src: Dict[tuple, str] = {}
+        self._example = self._layout(shapes) if shapes is not None else None
+        if self._example is None and BCAST not in self.kinds and not self._sharded_dropout():
+            self._example = Layout((1,), tuple(None for _ in self.kinds), False)
+
+    def _sharded_dropout(self) -> bool:
+        return any(d.shard_dim >= 0 for d in self.chain.dropouts)
+
+    def _layout(self, shapes) -> Layout:
+        full = next(tuple(s) for s, k in zip(shapes, self.kinds) if k == FULL)
+        pad = tuple((1,) * (len(full) - len(s)) + tuple(s) if k == BCAST else None
+                    for s, k in zip(shapes, self.kinds))
+        # shape only matters to the source through broadcast offsets and sharded dropout
+        shape = full if (BCAST in self.kinds or self._sharded_dropout()) else (1,)
+        return Layout(shape, pad, math.prod(full) >= 2 ** 31)
+
+    def source(self, layout: Layout, backward: bool, needs: Optional[Tuple[bool, ...]] = None) -> str:
+        key = (layout, backward, needs)
+        if key not in self._src:
+            self._src[key] = backward_source(self.chain, self.kinds, "bwd", layout, needs) if backward \
+                else forward_source(self.chain, self.kinds, "fwd", layout)
+        return self._src[key]
+
+    @property
+    def fwd_src(self) -> str:
+        return self.source(self._example, False) if self._example else "# generated per call (broadcast inputs)"
+
+    @property
+    def bwd_src(self) -> str:
+        return self.source(self._example, True) if self._example else "# generated per call (broadcast inputs)"
+
+    def _full(self, xs):
+        return next(x for x, k in zip(xs, self.kinds) if k == FULL)
+
+    def _out_dtype(self, xs):
+        fulls = [x for x, k in zip(xs, self.kinds) if k in (FULL, ROW, BCAST) and x.is_floating_point()]
+        return fulls[0].dtype
 
     def forward(self, *xs: torch.Tensor) -> List[torch.Tensor]:
-        full = next(x for x, k in zip(xs, self.kinds) if k == FULL)
-        outs = [torch.empty_like(full) for _ in self.chain.outputs]
-        self._launch(self.fwd_src, "fwd", [x.contiguous() for x in xs] + outs, full.numel(), full.shape[-1])
+        import triton
+        full = self._full(xs)
+        n = full.shape[-1]
+        m = full.numel() // max(n, 1)
+        layout = self._layout([tuple(x.shape) for x in xs])
+        bm, bn, warps = self.fwd_tiles or tiles(n, False)
+        outs = [torch.empty(full.shape, dtype=self._out_dtype(xs), device=full.device)
+                for _ in self.chain.outputs]
+        kernel = compile_source(self.source(layout, False), "fwd")
+        kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](*[x.contiguous() for x in xs], *outs, m, n,
+                                                         BM=bm, BN=bn, num_warps=warps)
         return outs
 
-    def backward(self, xs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def backward(self, xs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor],
+                 needs: Optional[Sequence[bool]] = None) -> List[Optional[torch.Tensor]]:
         import triton
-        full = next(x for x, k in zip(xs, self.kinds) if k == FULL)
+        full = self._full(xs)
         n = full.shape[-1]
-        m = full.numel() // n
-        bm, bn = 16, 128
+        m = full.numel() // max(n, 1)
+        needs = tuple(bool(w) and k != KEY for w, k in zip(needs or [True] * len(xs), self.kinds))
+        layout = self._layout([tuple(x.shape) for x in xs])
+        bm, bn, warps = self.bwd_tiles or tiles(n, True, any(k == ROW for k in self.kinds))
         blocks = triton.cdiv(m, bm)
-        # full inputs: gradients in their dtype; row inputs: one fp32 partial sum per row block
-        dxs = [torch.empty(full.shape, dtype=x.dtype, device=full.device) if k == FULL
-               else torch.empty((blocks, n), dtype=torch.float32, device=full.device)
-               for x, k in zip(xs, self.kinds)]
-        kernel = compile_source(self.bwd_src, "bwd")
-        kernel[(blocks, triton.cdiv(n, bn))](*[x.contiguous() for x in xs], *[g.contiguous() for g in gs], *dxs,
-                                            m, n, BM=bm, BN=bn)
-        out = []
-        for d, x, k in zip(dxs, xs, self.kinds):
-            out.append((d.sum(0).reshape(x.shape) if k == ROW else d).to(x.dtype))
+        dxs = {}
+        for i, (x, k) in enumerate(zip(xs, self.kinds)):
+            if k == KEY or not needs[i]:
+                continue
+            if k == FULL:
+                dxs[i] = torch.empty(full.shape, dtype=x.dtype, device=full.device)
+            elif k == ROW:      # one fp32 partial sum per row block
+                dxs[i] = torch.empty((blocks, n), dtype=torch.float32, device=full.device)
+            else:
+                dxs[i] = torch.empty(full.shape, dtype=torch.float32, device=full.device)
+        # inputs whose gradient is not asked for still take a (never written) pointer slot
+        slots = [dxs.get(i, full) for i, k in enumerate(self.kinds) if k != KEY]
+        kernel = compile_source(self.source(layout, True, needs), "bwd")
+        kernel[(blocks, triton.cdiv(n, bn))](*[x.contiguous() for x in xs], *[g.contiguous() for g in gs],
+                                            *slots, m, n, BM=bm, BN=bn, num_warps=warps)
+        out: List[Optional[torch.Tensor]] = []
+        for i, (x, k) in enumerate(zip(xs, self.kinds)):
+            if i not in dxs:
+                out.append(None)
+            elif k == ROW:
+                out.append(dxs[i].sum(0).reshape(x.shape).to(x.dtype))
+            elif k == BCAST:
+                out.append(dxs[i].sum_to_size(x.shape).to(x.dtype))
+            else:
+                out.append(dxs[i])
         return out
 
     def apply(self, *xs: torch.Tensor):
@@ -210,4 +411,6 @@ class _FusedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None,) + tuple(ctx.fused.backward(ctx.saved_tensors, gs))
+        full = ctx.fused._full(ctx.saved_tensors)
+        gs = [g if g is not None else torch.zeros(full.shape, dtype=full.dtype, device=full.device) for g in gs]
+        return (None,) + tuple(ctx.fused.backward(ctx.saved_tensors, gs, ctx.needs_input_grad[1:]))

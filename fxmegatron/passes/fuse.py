@@ -1,10 +1,16 @@
 """Fuse runs of elementwise ATen ops into one generated Triton kernel each.
 
 A group is a run of elementwise nodes in graph order, each using a value of the
-run, all producing the run's shape. Its tensor inputs are either of that shape
-("full") or broadcast along the last dim ("row", a bias). Nodes outside the group
-may sit between members as long as none of them uses a member, so every member
-used later can be an output of the fused call placed at the run's last member.
+run, all producing the run's shape. Its tensor inputs are of that shape ("full"),
+broadcast along the last dim ("row", a bias), broadcast otherwise ("bcast": rotary
+cos/sin, attention masks), or a dropout key. Nodes outside the group may sit
+between members as long as none of them uses a member, so every member used later
+can be an output of the fused call placed at the run's last member.
+
+Besides ATen elementwise ops a group may hold counter-based dropout
+(``fxmegatron.rng``; the kernel draws the same mask with ``tl.rand``), ``where`` /
+``masked_fill``, and the rotary embedding's ``cat(-x2, x1)``, which is first
+rewritten to ``rotate_half(x)`` so that it reads one input.
 
 Each group becomes a ``Fused`` submodule. On CUDA tensors (or under
 ``TRITON_INTERPRET=1``) it runs the generated forward kernel, and in backward a
@@ -13,27 +19,31 @@ original ATen ops, kept as a GraphModule. The dump writes each group's Triton so
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..codegen.expr import ELEMENTWISE, lower_nodes
-from ..codegen.triton_kernel import FULL, ROW, FusedChain
+from ..codegen.expr import ELEMENTWISE, lower_nodes, rotate_half
+from ..codegen.triton_kernel import BCAST, FULL, KEY, ROW, FusedChain
+from ..rng import counter_dropout, rng_key
 from .outline import boundary, outline
+
+aten = torch.ops.aten
 
 
 class Fused(nn.Module):
     """One fused elementwise group: generated kernels, with the ATen ops as the fallback."""
 
-    def __init__(self, fallback: fx.GraphModule, chain, kinds, label: str):
+    def __init__(self, fallback: fx.GraphModule, chain, kinds, label: str, shapes=None):
         super().__init__()
         self.fallback = fallback
         self.kinds = list(kinds)
         self.label = label
-        self.kernel = FusedChain(chain, kinds)
+        self.kernel = FusedChain(chain, kinds, shapes)
 
     def forward(self, *xs):
         from torch._subclasses.fake_tensor import is_fake
@@ -58,51 +68,129 @@ def _shape(n):
 
 
 def _kind(inp: fx.Node, shape) -> str:
-    s = _shape(inp)
+    if inp.op == "call_function" and inp.target is rng_key:
+        return KEY
+    v = inp.meta.get("val")
+    if not isinstance(v, torch.Tensor) or not (v.is_floating_point() or v.dtype == torch.bool):
+        return ""
+    s = tuple(v.shape)
     if s == shape:
         return FULL
-    if s is not None and len(s) >= 1 and s[-1] == shape[-1] and all(d == 1 for d in s[:-1]):
+    if len(s) >= 1 and s[-1] == shape[-1] and all(d == 1 for d in s[:-1]) and v.is_floating_point():
         return ROW
+    if 1 <= len(s) <= len(shape) and all(a in (1, b) for a, b in zip(s[::-1], shape[::-1])):
+        return BCAST
     return ""
 
 
+def _dropout_fusible(n: fx.Node) -> bool:
+    """Counter-based dropout whose element indices the kernel can form: unsplit or one slice,
+    and fewer than 2**32 elements (the Philox counter's low word)."""
+    p, train, gshape = n.args[1], n.args[2], n.args[5]
+    slices = n.args[7] if len(n.args) > 7 else ()
+    return bool(train) and 0.0 < p < 1.0 and len(slices) <= 1 and math.prod(gshape) < 2 ** 32
+
+
 def _fusible(n: fx.Node) -> bool:
-    if n.op != "call_function" or _pk(n) not in ELEMENTWISE:
+    if n.op != "call_function":
         return False
-    if set(n.kwargs) - {"alpha", "approximate"}:      # e.g. div's rounding_mode: not this kind of op
-        return False
-    if any(not isinstance(a, (fx.Node, int, float, str)) for a in n.args):
+    if n.target is counter_dropout:
+        ok = _dropout_fusible(n)
+    elif n.target is rotate_half:
+        ok = True
+    elif _pk(n) in ELEMENTWISE:
+        ok = not (set(n.kwargs) - {"alpha", "approximate"})      # e.g. div's rounding_mode: not this kind
+        ok = ok and all(isinstance(a, (fx.Node, int, float, str, bool)) for a in n.args)
+    else:
         return False
     v = n.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 1 and not v.is_complex()
+    return ok and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 1
+
+
+def _slice_of(n):
+    """(source, start, end) of ``aten.slice(x, -1, start, end)`` over the last dim, else None."""
+    if n.op != "call_function" or n.target is not aten.slice.Tensor or len(n.args) < 4:
+        return None
+    src = n.args[0]
+    v = src.meta.get("val")
+    if not isinstance(v, torch.Tensor) or n.args[1] not in (-1, v.dim() - 1):
+        return None
+    end = min(n.args[3], v.shape[-1])
+    return src, n.args[2], end
+
+
+def _rewrite_rotations(gm: fx.GraphModule) -> None:
+    """``cat([-x[..., h:], x[..., :h]], -1)`` -> ``rotate_half(x)``: one elementwise-like node
+    reading ``x`` (the kernel loads x at the partner column); the slices die with the cat."""
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.cat.default or len(n.args[0]) != 2:
+            continue
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or (len(n.args) > 1 and n.args[1] not in (-1, v.dim() - 1)):
+            continue
+        neg, second = n.args[0]
+        if neg.op != "call_function" or neg.target is not aten.neg.default:
+            continue
+        a, b = _slice_of(neg.args[0]), _slice_of(second)
+        d = v.shape[-1]
+        if not a or not b or a[0] is not b[0] or d % 2 or tuple(a[0].meta["val"].shape) != tuple(v.shape):
+            continue
+        if (a[1], a[2], b[1], b[2]) != (d // 2, d, 0, d // 2):
+            continue
+        with gm.graph.inserting_before(n):
+            rot = gm.graph.call_function(rotate_half, (a[0],))
+        rot.meta = dict(n.meta)
+        n.replace_all_uses_with(rot)
+        gm.graph.erase_node(n)
+        for dead in (neg, neg.args[0], second):
+            if not dead.users:
+                gm.graph.erase_node(dead)
 
 
 def _groups(gm: fx.GraphModule) -> List[List[fx.Node]]:
-    """Runs of connected elementwise nodes of one shape. Unrelated nodes may sit between
-    members (SwiGLU's up-projection between silu and mul); a node that uses a member
-    ends the run, since the fused call is placed at the run's last member."""
-    groups, cur = [], []
+    """Connected elementwise nodes of one shape, each group in graph order. Unrelated nodes may
+    sit between members (SwiGLU's up-projection between silu and mul), and two open groups
+    merge at a node that reads both (rotary: ``q*cos`` and ``rotate_half(q)*sin`` at their add).
+    A node that uses a member without joining ends that group, since the fused call is placed
+    at the group's last member. A lone dropout is a group too: its kernel draws the mask."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    owner = {}          # node -> its open group (a list shared by all members)
+    done: List[List[fx.Node]] = []
 
-    def close():
-        if len(cur) >= 2:
-            groups.append(list(cur))
-        cur.clear()
+    def close(g):
+        for m in g:
+            owner.pop(m, None)
+        if len(g) >= 2 or g[0].target is counter_dropout:
+            done.append(g)
 
     for n in gm.graph.nodes:
-        members = set(cur)
-        if _fusible(n) and cur:
-            shape = _shape(cur[0])
-            ins = n.all_input_nodes
-            if (_shape(n) == shape and any(a in members for a in ins)
-                    and all(a in members or _kind(a, shape) for a in ins)):
-                cur.append(n)
+        ins = n.all_input_nodes
+        touched = []
+        for a in ins:
+            g = owner.get(a)
+            if g is not None and all(g is not t for t in touched):
+                touched.append(g)
+        if _fusible(n) and touched:
+            shape = _shape(n)
+            if (all(_shape(g[0]) == shape for g in touched)
+                    and all(a in owner or _kind(a, shape) for a in ins)):
+                group = sorted([m for g in touched for m in g], key=order.__getitem__) + [n]
+                for m in group:
+                    owner[m] = group
                 continue
-        if cur and (any(a in members for a in n.all_input_nodes) or _fusible(n) or n.op == "output"):
-            close()
-        if _fusible(n) and all(_kind(a, _shape(n)) for a in n.all_input_nodes):
-            cur.append(n)
-    close()
-    return groups
+        for g in touched:
+            close(g)
+        if n.op == "output":
+            for g in {id(g): g for g in owner.values()}.values():
+                close(g)
+        elif _fusible(n) and all(_kind(a, _shape(n)) for a in ins):
+            owner[n] = [n]
+    return sorted(done, key=lambda g: order[g[-1]])
+
+
+def _name(n: fx.Node) -> str:
+    pk = _pk(n)
+    return str(pk.__name__) if pk is not None else n.target.__name__
 
 
 def _rewrite(gm: fx.GraphModule, group: List[fx.Node], index: int) -> None:
@@ -110,10 +198,15 @@ def _rewrite(gm: fx.GraphModule, group: List[fx.Node], index: int) -> None:
     inputs, outputs = boundary(group)
     if not any(_kind(a, shape) == FULL for a in inputs):
         return      # the kernel's grid follows a full-shape input
+    rotated = [n.args[0] for n in group if n.target is rotate_half]
+    if any(_kind(x, shape) != FULL for x in rotated):
+        return      # a rotation reads its input at the partner column: it must be an input of full shape
     chain = lower_nodes(group, inputs, outputs)
-    label = " -> ".join(str(_pk(n).__name__) for n in group)
+    label = " -> ".join(_name(n) for n in group)
     kinds = [_kind(a, shape) for a in inputs]
-    outline(gm, group, f"fused_{index}", lambda body, i, o: Fused(body, chain, kinds, label), {"fused": label})
+    shapes = [tuple(a.meta["val"].shape) for a in inputs]
+    outline(gm, group, f"fused_{index}", lambda body, i, o: Fused(body, chain, kinds, label, shapes),
+            {"fused": label})
 
 
 def apply_fuse(gm: fx.GraphModule) -> fx.GraphModule:
@@ -123,6 +216,7 @@ def apply_fuse(gm: fx.GraphModule) -> fx.GraphModule:
     for mod in list(gm.modules()):
         if isinstance(mod, Recomputed):
             apply_fuse(mod.body)
+    _rewrite_rotations(gm)
     count = sum(1 for _ in gm.named_children() if _[0].startswith("fused_"))
     for i, group in enumerate(_groups(gm)):
         _rewrite(gm, group, count + i)
