@@ -30,6 +30,15 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
     """
     out_dtype = logits.dtype
+    if _kernels_run(logits):
+        import torch.distributed as dist
+
+        from .codegen.cross_entropy import fused_vocab_cross_entropy
+        from .collectives import _group
+        pg = _group(group_name)
+        pg = pg if pg is not None and dist.get_world_size(pg) > 1 else None
+        loss = fused_vocab_cross_entropy(logits, target, vocab_start, pg, ignore_index)
+        return _reduce(loss, target != ignore_index, reduction, out_dtype)
     logits = logits.float()    # softmax statistics in fp32 whatever the model's dtype, as Megatron does
     shift = all_reduce_max(logits.detach().amax(-1), group_name)
     z = logits - shift.unsqueeze(-1)
@@ -40,6 +49,20 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     target_logit = reduce_from_tp(picked.masked_fill(~inside, 0.0), group_name)
     valid = target != ignore_index
     loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+    return _reduce(loss, valid, reduction, out_dtype)
+
+
+def _kernels_run(x: Tensor) -> bool:
+    """Real tensors on a GPU, or on CPU under TRITON_INTERPRET=1 (the tests): the fused kernels."""
+    import os
+
+    from torch._subclasses.fake_tensor import is_fake
+    if is_fake(x) or x.device.type == "meta":
+        return False
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _reduce(loss: Tensor, valid: Tensor, reduction: int, out_dtype) -> Tensor:
     if reduction == 0:
         return loss.to(out_dtype)
     if reduction == 2:

@@ -1,0 +1,112 @@
+"""Fused (vocab-parallel) cross-entropy: two Triton kernels instead of fp32 copies of the logits.
+
+The unfused form (``fxmegatron.vocab_parallel``) upcasts the [N, V/t] logits to fp32
+and keeps several full-size fp32 tensors for backward. Here
+
+* forward: one pass over each row of the rank's logits, in their dtype, with an
+  online max and sum of exponentials in fp32 (as flash attention does for softmax),
+  and the target's logit where this rank owns it. Three vectors of N come out; the
+  tp ranks combine them (max, then the rescaled sums and the target logits) with
+  all-reduces of N numbers, as Megatron's vocab-parallel cross-entropy does;
+* backward: (softmax − one-hot) · grad written straight into the logits' dtype,
+  recomputed from the saved logits and the per-row log-sum-exp. No collective.
+
+Only the logits (the lm_head's output, kept anyway) and two vectors of N are saved.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_SRC = '''
+@triton.jit
+def ce_fwd(x_ptr, t_ptr, max_ptr, sum_ptr, pick_ptr, V, stride, BV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    t = tl.load(t_ptr + row)
+    m = -float("inf")
+    s = 0.0
+    for start in range(0, V, BV):
+        cols = start + tl.arange(0, BV)
+        x = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    inside = (t >= 0) & (t < V)
+    pick = tl.load(base + tl.where(inside, t, 0)).to(tl.float32)
+    tl.store(max_ptr + row, m)
+    tl.store(sum_ptr + row, s)
+    tl.store(pick_ptr + row, tl.where(inside, pick, 0.0))
+
+
+@triton.jit
+def ce_bwd(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, V, stride, BV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    mask = cols < V
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(g_ptr + row)
+    t = tl.load(t_ptr + row)
+    d = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * g
+    tl.store(dx_ptr + row * V + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+'''
+
+_BV_FWD, _BV_BWD = 2048, 1024
+
+
+def _kernels():
+    from .triton_kernel import compile_source
+    return compile_source(_SRC, "ce_fwd"), compile_source(_SRC, "ce_bwd")
+
+
+class _VocabCE(torch.autograd.Function):
+    """Per-row losses of logits split along the vocabulary; ``group`` None at tp=1."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, local_target: Tensor, valid: Tensor, group):
+        import torch.distributed as dist
+        fwd, _ = _kernels()
+        x = logits.reshape(-1, logits.shape[-1])
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        n, v = x.shape
+        t = local_target.reshape(-1).contiguous()
+        mx = torch.empty(n, dtype=torch.float32, device=x.device)
+        sm, pick = torch.empty_like(mx), torch.empty_like(mx)
+        fwd[(n,)](x, t, mx, sm, pick, v, x.stride(0), BV=_BV_FWD)
+        if group is not None:
+            gmax = mx.clone()
+            dist.all_reduce(gmax, dist.ReduceOp.MAX, group=group)
+            sm = sm * torch.exp(mx - gmax)
+            both = torch.stack([sm, pick])
+            dist.all_reduce(both, group=group)
+            sm, pick, mx = both[0], both[1], gmax
+        lse = torch.log(sm) + mx
+        loss = (lse - pick).masked_fill(~valid.reshape(-1), 0.0)
+        ctx.save_for_backward(x, t, lse, valid.reshape(-1))
+        ctx.shape = logits.shape
+        return loss.reshape(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        _, bwd = _kernels()
+        x, t, lse, valid = ctx.saved_tensors
+        n, v = x.shape
+        g = (g.reshape(-1).float() * valid).contiguous()      # ignored tokens: no gradient
+        dx = torch.empty((n, v), dtype=x.dtype, device=x.device)
+        bwd[(n, (v + _BV_BWD - 1) // _BV_BWD)](x, t, lse, g, dx, v, x.stride(0), BV=_BV_BWD)
+        return dx.reshape(ctx.shape), None, None, None
+
+
+def fused_vocab_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, group: Optional[object],
+                              ignore_index: int = -100) -> Tensor:
+    """Per-token losses (0 where ``target == ignore_index``), fp32; see the module doc."""
+    local = target - vocab_start
+    inside = (local >= 0) & (local < logits.shape[-1])
+    valid = target != ignore_index
+    # -1: not this rank's class (or ignored); the kernels then pick nothing and subtract no one-hot
+    local = torch.where(inside & valid, local, torch.full_like(local, -1))
+    return _VocabCE.apply(logits, local, valid, group)
