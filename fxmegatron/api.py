@@ -215,7 +215,9 @@ class ParallelModel(nn.Module):
         if self._count_tokens is None:
             return [1.0 / m] * m
         counts = [float(self._count_tokens(mb)) for mb in micro]
-        total = torch.tensor(sum(counts), dtype=torch.float64)
+        # on the device the process group's backend serves (NCCL takes no CPU tensors)
+        dev = next((p.device for p in self.parameters()), torch.device("cpu"))
+        total = torch.tensor(sum(counts), dtype=torch.float64, device=dev)
         if self.dp_size > 1:
             dist.all_reduce(total, group=self.dp_group)
         total = total.item()
@@ -228,24 +230,28 @@ class ParallelModel(nn.Module):
         ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the unmodified model would; returns
         that norm. Collective over tp and pp (every rank must call it)."""
         dev = next((p.device for p in self.parameters()), torch.device("cpu"))
-        sq = torch.zeros((), dtype=torch.float64, device=dev)
+        # a gradient held whole by each of the tp ranks, or by several pipeline stages, counts
+        # once: its square is divided by its number of holders
+        by_holders: Dict[int, List[torch.Tensor]] = {}
         for name, p in self.named_parameters():
             if p.grad is None:
                 continue
-            s = p.grad.detach().double().pow(2).sum()
-            if self.placement(name) == R:
-                s = s / self.tp_size                     # each tp rank holds the whole gradient
-            sq += s / self._holders.get(name, 1)         # and each pipeline stage that uses the weight
+            holders = (self.tp_size if self.placement(name) == R else 1) * self._holders.get(name, 1)
+            by_holders.setdefault(holders, []).append(p.grad.detach())
+        sq = torch.zeros((), dtype=torch.float32, device=dev)
+        for holders, grads in by_holders.items():
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            sq += torch.stack(norms).square().sum() / holders
         for dim in ("tp", "pp"):
             if self._axes[dim].size > 1:
                 dist.all_reduce(sq, group=self._axes[dim].group)
         norm = sq.sqrt()
-        coef = float(max_norm) / (norm.item() + 1e-6)
-        if coef < 1.0:
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm.float()
+        # no host sync (as torch's clip_grad_norm_): scale by min(1, max_norm / norm) on the device
+        coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return norm
 
     def _sum_shared_grads(self) -> None:
         """Weights used on several pipeline ranks (a tied embedding and LM head): sum their

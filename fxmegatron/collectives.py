@@ -87,9 +87,10 @@ def reduce_scatter(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
         out = moved.new_empty((n,) + moved.shape[1:])
         dist.reduce_scatter_tensor(out, moved, group=pg)
     else:   # gloo has no reduce-scatter: all-reduce, keep our slice (CPU tests only)
+        moved = moved.clone()       # movedim/contiguous may have returned x itself: never reduce into the input
         dist.all_reduce(moved, group=pg)
         out = moved.narrow(0, dist.get_rank(pg) * n, n)
-    return out.movedim(0, dim).contiguous()
+    return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
 
 
 @reduce_scatter.register_fake

@@ -15,7 +15,7 @@ from fxmegatron.passes.pipeline_split import PipelineError, _balance, split_pipe
 from fxmegatron.schedules import ScheduleError
 from tests import models
 from tests.distributed import run_distributed
-from tests.workers import pipeline_failure, pipeline_parity, rel_err
+from tests.workers import pipeline_boundaries, pipeline_failure, pipeline_parity, rel_err
 
 CONFIGS = [("1f1b", 1, 4), ("gpipe", 1, 4), ("gpipe", 2, 4), ("interleaved", 2, 4)]
 MODELS = ("gpt", "llama")
@@ -182,3 +182,13 @@ def test_failure_on_one_rank_ends_every_rank(world, fail_rank):
         else:
             assert kind == "PipelineError", (rank, kind, msg)
             assert f"rank {fail_rank}: ValueError: injected failure" in msg
+
+
+def test_only_activations_cross_chunk_boundaries():
+    """Values computed from parameters alone (sequence parallelism's copy_to_tp of every norm
+    weight and bias) run in the chunk that uses them: a boundary carries the hidden state only.
+    (Before, chunk 0 computed all of them and every boundary relayed them: 39 tensors per
+    microbatch for the bundled GPT, and a hang on NCCL at tp2 x pp2 interleaved.)"""
+    per_rank = run_distributed(pipeline_boundaries, 4, "gpt")
+    for counts in per_rank:
+        assert counts[-1] == 0 and all(c == 1 for c in counts[:-1]), counts

@@ -315,3 +315,13 @@ def clip_parity(rank, world, layout, name="gpt", steps=3, max_norm=0.05):
         opt_ref.step(); opt_ref.zero_grad()
         opt.step(); opt.zero_grad()
     return out
+
+
+def pipeline_boundaries(rank, world, name="gpt", n_layer=4):
+    """Number of tensors each chunk sends on, at pp2 x tp2, interleaved, sequence parallel."""
+    import fxmegatron
+
+    pm = fxmegatron.parallelize(models.build(name, n_layer=n_layer), pp_mesh(world, 2),
+                                models.batch(name, batch_size=4), sequence_parallel=True, microbatches=2,
+                                virtual_stages=2, schedule="interleaved")
+    return [len(c.boundary_out) for c in pm._pipeline.chunks]

@@ -110,6 +110,16 @@ def _units(gm: fx.GraphModule):
             u = nxt if nxt is not None else len(blocks) + 1
         deps = [unit[a] for a in n.all_input_nodes if a in unit]
         unit[n] = max([u] + deps)
+    # values computed from parameters alone (sequence parallelism's copy_to_tp of a norm weight,
+    # a cast of a weight) run where they are first used, not where the graph happens to list
+    # them: otherwise chunk 0 computes them and every boundary relays them
+    param_only = {}
+    for n in order:
+        param_only[n] = all(a.op == "get_attr" or param_only.get(a, False) for a in n.all_input_nodes)
+    for n in reversed(order):
+        users = [unit[x] for x in n.users if x in unit]
+        if param_only[n] and users:
+            unit[n] = min(users)
     return unit, ["pre"] + blocks + ["post"]
 
 
