@@ -45,35 +45,48 @@ def _store():
         return None
 
 
-def report_failure(exc: BaseException) -> None:
+def error_key(peers: Sequence[int]) -> str:
+    """The store key where this pipeline's ranks report failures. Each runner built over
+    ``peers`` gets its own key (a counter in the store, bumped once by every peer, numbers
+    the runners), so a failure of an earlier pipeline in the same job, reported and caught,
+    does not fail the next one."""
+    store = _store()
+    name = "-".join(str(p) for p in peers)
+    if store is None:
+        return f"{ERROR_KEY}/{name}"
+    count = store.add(f"fxmegatron/pipeline_runners/{name}", 1)
+    return f"{ERROR_KEY}/{name}/{(count - 1) // len(peers)}"
+
+
+def report_failure(exc: BaseException, key: str = ERROR_KEY) -> None:
     """Tell the other ranks (through the store) that this rank failed. The first report
     wins: a rank that fails because a peer went away must not hide the peer's error."""
     store = _store()
     if store is None:
         return
     try:
-        store.compare_set(ERROR_KEY, "", f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"[:2000])
+        store.compare_set(key, "", f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"[:2000])
     except Exception:
         pass
 
 
-def peer_failure(store) -> Optional[str]:
+def peer_failure(store, key: str = ERROR_KEY) -> Optional[str]:
     """The error a rank reported, if any."""
     try:
-        if store is not None and store.check([ERROR_KEY]):
-            return store.get(ERROR_KEY).decode(errors="replace")
+        if store is not None and store.check([key]):
+            return store.get(key).decode(errors="replace")
     except Exception:
         return None
     return None
 
 
-def _check_peers(store) -> None:
-    other = peer_failure(store)
+def _check_peers(store, key: str = ERROR_KEY) -> None:
+    other = peer_failure(store, key)
     if other is not None:
         raise PipelineError("pipeline rank failed: " + other)
 
 
-def wait_all(works, store=None, poll_s: float = 0.5) -> None:
+def wait_all(works, store=None, poll_s: float = 0.5, key: str = ERROR_KEY) -> None:
     """Wait for ``works``; every ``poll_s`` look whether another rank reported a failure.
 
     Gloo's send/recv works cannot be polled (``is_completed`` stays false until
@@ -102,9 +115,9 @@ def wait_all(works, store=None, poll_s: float = 0.5) -> None:
         t.join(poll_s)
         if not t.is_alive():
             break
-        _check_peers(store)
+        _check_peers(store, key)
     if errors:
-        _check_peers(store)     # a peer's own error explains a broken connection best
+        _check_peers(store, key)     # a peer's own error explains a broken connection best
         raise errors[0]
 
 
@@ -126,6 +139,7 @@ class StageRunner:
         self.device = device
         self.n_chunks = schedule.p * schedule.v
         self.max_tensors = max([len(s) for s in specs.values()] + [1])
+        self.error_key = error_key(self.peers) if group is not None else ERROR_KEY
 
     # ---- tags: one per (direction, boundary, microbatch, tensor) --------------
     def _tag(self, backward: bool, boundary: int, mb: int, j: int) -> int:
@@ -140,10 +154,10 @@ class StageRunner:
             raise
         except BaseException as exc:
             # a send or receive that fails because a peer died: report the peer's error
-            other = peer_failure(_store()) if self.group is not None else None
+            other = peer_failure(_store(), self.error_key) if self.group is not None else None
             if other is not None and not other.startswith(f"rank {dist.get_rank()}:"):
                 raise PipelineError("pipeline rank failed: " + other) from exc
-            report_failure(exc)
+            report_failure(exc, self.error_key)
             raise
 
     def _run(self, microbatches, weights):
@@ -203,7 +217,7 @@ class StageRunner:
 
     def _await(self, works, store):
         if works:
-            wait_all(works, store)
+            wait_all(works, store, key=self.error_key)
 
     def _forward(self, a: Action, batch, inputs, outputs):
         c, mb = a.chunk, a.microbatch
