@@ -111,6 +111,8 @@ def _slice_of(n):
     """(source, start, end) of ``aten.slice(x, -1, start, end)`` over the last dim, else None."""
     if n.op != "call_function" or n.target is not aten.slice.Tensor or len(n.args) < 4:
         return None
+    if len(n.args) > 4 and n.args[4] != 1:      # a strided slice is not half of a rotation
+        return None
     src = n.args[0]
     v = src.meta.get("val")
     if not isinstance(v, torch.Tensor) or n.args[1] not in (-1, v.dim() - 1):
