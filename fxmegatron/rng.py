@@ -139,25 +139,16 @@ def keep_mask(key: Tensor, site: int, p: float, local_shape, global_shape, shard
 _KERNELS: dict = {}
 
 
-def _real_cuda(x: Tensor) -> bool:
-    """A CUDA tensor with memory behind it (shape propagation runs ops on fake ones)."""
-    from torch._subclasses.fake_tensor import is_fake
-    return x.is_cuda and not is_fake(x)
-
-
 def _dropout_kernel(p, site, global_shape, shard_dim, slices):
     """On GPUs: the same dropout as one generated Triton kernel (``tl.rand``, the mask drawn
     again in backward) instead of Philox's ~250 int64 torch ops."""
     k = (p, site, global_shape, shard_dim, tuple(slices))
     if k not in _KERNELS:
-        import sympy as sp
-
-        from .codegen.expr import DropoutSite, derive
+        from .codegen.expr import dropout_chain
         from .codegen.triton_kernel import FULL, KEY, FusedChain
-        x0, x1, m = sp.symbols("x0 x1 m0", real=True)
         start = slices[0][0] if slices else 0
-        dsite = DropoutSite(m, 1, site, p, global_shape, shard_dim if slices else -1, start)
-        _KERNELS[k] = FusedChain(derive([x0, x1], [x0 * m * sp.Float(1 / (1 - p))], [dsite]), [FULL, KEY])
+        _KERNELS[k] = FusedChain(dropout_chain(p, site, global_shape, shard_dim if slices else -1, start),
+                                 [FULL, KEY])
     return _KERNELS[k]
 
 
@@ -168,7 +159,9 @@ def counter_dropout(x: Tensor, p: float, train: bool, key: Tensor, site: int,
         return x
     if p >= 1.0:
         return x * 0.0
-    if _real_cuda(x) and len(slices) <= 1 and math.prod(global_shape) < 2 ** 32:
+    from .codegen.triton_kernel import kernels_run
+    # GPUs only: under the CPU interpreter the torch form is faster and draws the same bits
+    if kernels_run(x, interpreter=False) and len(slices) <= 1 and math.prod(global_shape) < 2 ** 32:
         return _dropout_kernel(p, site, tuple(global_shape), shard_dim, slices).apply(x, key)
     keep = keep_mask(key, site, p, x.shape, global_shape, shard_dim, slices)
     # where() keeps the 1-byte mask for backward, not a float copy of it

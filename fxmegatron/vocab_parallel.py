@@ -30,7 +30,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
     """
     out_dtype = logits.dtype
-    if _kernels_run(logits):
+    from .codegen.triton_kernel import kernels_run
+    if kernels_run(logits):
         import torch.distributed as dist
 
         from .codegen.cross_entropy import fused_vocab_cross_entropy
@@ -50,16 +51,6 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     valid = target != ignore_index
     loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
     return _reduce(loss, valid, reduction, out_dtype)
-
-
-def _kernels_run(x: Tensor) -> bool:
-    """Real tensors on a GPU, or on CPU under TRITON_INTERPRET=1 (the tests): the fused kernels."""
-    import os
-
-    from torch._subclasses.fake_tensor import is_fake
-    if is_fake(x) or x.device.type == "meta":
-        return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _reduce(loss: Tensor, valid: Tensor, reduction: int, out_dtype) -> Tensor:

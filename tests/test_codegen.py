@@ -98,11 +98,9 @@ def test_each_reference_chain_at_an_odd_shape(name):
 
 
 def _dropout_chain(p, shard_dim=-1, start=0, global_shape=()):
-    from fxmegatron.codegen.expr import DropoutSite, derive
+    from fxmegatron.codegen.expr import dropout_chain
     from fxmegatron.codegen.triton_kernel import FULL, KEY
-    m = sp.Symbol("m0", real=True)
-    site = DropoutSite(m, 1, 3, p, tuple(global_shape), shard_dim, start)
-    return FusedChain(derive([x0, x1], [x0 * m * sp.Float(1 / (1 - p))], [site]), [FULL, KEY])
+    return FusedChain(dropout_chain(p, 3, global_shape, shard_dim, start), [FULL, KEY])
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])

@@ -134,6 +134,14 @@ class Chain:
         return sp.cse(list(self.grads), symbols=sp.numbered_symbols("t"), optimizations="basic")
 
 
+def dropout_chain(p: float, site: int, global_shape: Tuple[int, ...] = (), shard_dim: int = -1,
+                  start: int = 0) -> Chain:
+    """A lone dropout: x0 · m · 1/(1−p) with the key as input x1."""
+    x0, x1, m = sp.symbols("x0 x1 m0", real=True)
+    return derive([x0, x1], [x0 * m * sp.Float(1 / (1 - p))],
+                  [DropoutSite(m, 1, site, p, tuple(global_shape), shard_dim, start)])
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """The rotary embedding's rotation: last dim's halves swapped, the first negated. A graph
     node calling it lowers to the rotated-input symbol of its argument."""

@@ -28,6 +28,7 @@ class Reference:
     eager: Callable
     shape: Callable[[int, int], Tuple[int, ...]] = lambda rows, cols: (rows, cols)
     bcast: Optional[Callable[[Tuple[int, ...]], Tuple[int, ...]]] = None   # a bcast input's shape
+    bool_mask: bool = False      # the bcast input is a boolean mask
 
     def inputs(self, shape, dtype=torch.float32, device="cpu", generator=None):
         """Inputs for an output of ``shape``: floats ~ N(0, 3²), bool masks, a dropout key."""
@@ -37,7 +38,7 @@ class Reference:
                 out.append(DropoutRng(seed=7).next_key(device))
             elif k == ROW:
                 out.append(torch.randn(shape[-1], generator=generator).to(device, dtype))
-            elif k == BCAST and self.eager is _scale_mask_fill:
+            elif k == BCAST and self.bool_mask:
                 out.append(torch.rand(self.bcast(shape), generator=generator).to(device) > 0.3)
             elif k == BCAST:
                 out.append(torch.randn(self.bcast(shape), generator=generator).to(device, dtype))
@@ -81,5 +82,6 @@ REFERENCE_CHAINS = {
     "scale_mask_fill": Reference(
         derive([x0, x1], [sp.Piecewise((sp.Float(MASKED), sp.StrictGreaterThan(x1, sp.Float(0.5))),
                                        (x0 * sp.Float(SCALE), True))]),
-        [FULL, BCAST], _scale_mask_fill, shape=_attention_4d, bcast=lambda s: (1, 1, s[2], s[3])),
+        [FULL, BCAST], _scale_mask_fill, shape=_attention_4d, bcast=lambda s: (1, 1, s[2], s[3]),
+        bool_mask=True),
 }

@@ -175,7 +175,7 @@ class _Emitter:
         """Loads (and dropout masks, rotations) at the tile (sfx "") or its partner columns ("_p")."""
         offs, cols = ("offs", "cols") if not sfx else ("poffs", "pcols")
         for i, (x, k) in enumerate(zip(self.xs, self.kinds)):
-            if k == KEY:
+            if k == KEY or (sfx and i in self.chain.rotated):    # a rotated input's partner load is made below
                 continue
             if k == FULL:
                 idx, m = offs, "mask"
@@ -195,7 +195,8 @@ class _Emitter:
             if sfx:    # rotate_half(x) at the partner: -sgn * x here
                 self.add(f"{r}_p = -sgn * {x}")
             else:
-                self.add(f"{r} = sgn * tl.load({x}_ptr + poffs, mask=mask, other=0).to(tl.float32)")
+                self.add(f"{x}_p = tl.load({x}_ptr + poffs, mask=mask, other=0).to(tl.float32)")
+                self.add(f"{r} = sgn * {x}_p")
 
 
 def forward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layout) -> str:
@@ -254,6 +255,15 @@ def backward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layou
         else:
             em.add(f"tl.store({d}_ptr + offs, {d}.to({d}_ptr.dtype.element_ty), mask=mask)")
     return "\n".join(head + em.lines) + "\n"
+
+
+def kernels_run(x: torch.Tensor, interpreter: bool = True) -> bool:
+    """Whether generated kernels run on ``x``: a real tensor (shape propagation runs ops on
+    fake and meta ones) on a GPU, or on CPU under ``TRITON_INTERPRET=1`` when ``interpreter``."""
+    from torch._subclasses.fake_tensor import is_fake
+    if is_fake(x) or x.device.type == "meta":
+        return False
+    return x.is_cuda or (interpreter and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 _CACHE: Dict[str, object] = {}
