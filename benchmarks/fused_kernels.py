@@ -30,8 +30,9 @@ CASES = [("gpt1.3b bias+GeLU(tanh)", "bias_gelu_tanh", (B * S, 8192)),
          ("gpt1.3b scale+mask", "scale_mask_fill", (B, 16, S, S)),
          ("llama8b SiLU*mul", "swiglu", (B * S, 14336)),
          ("llama8b rotary q", "rotary", (B, 32, S, 128))]
-SWEEP = [(bm, bn, w) for bn in (64, 128, 256, 512) for bm in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8)
-         if 1024 <= bm * bn <= 16384]
+SWEEP = [(tile // bn, bn, w) for bn in (64, 128, 256, 512, 1024) for tile in (2048, 4096, 8192) for w in (4, 8)]
+# chains of full-shape inputs run as one row of all their elements (``FusedChain.flat``)
+FLAT_SWEEP = [(1, bn, w) for bn in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8)]
 
 
 def bench(fn):
@@ -95,8 +96,8 @@ def main():
             res = {}
             for bwd in (False, True):
                 best = None
-                for cfg in SWEEP:
-                    if cfg[1] > 2 * n:
+                for cfg in (FLAT_SWEEP if fused.flat else SWEEP):
+                    if not fused.flat and cfg[1] > 2 * n:
                         continue
                     if bwd:
                         fused.bwd_tiles = cfg
@@ -112,7 +113,7 @@ def main():
                 with torch.no_grad():
                     dflt = bench(lambda: fused.backward(xs, [g], [x.requires_grad for x in xs])) if bwd \
                         else bench(lambda: fused.forward(*xs))
-                res["bwd" if bwd else "fwd"] = (best, dflt, tiles(n, bwd, ROW in ref.kinds))
+                res["bwd" if bwd else "fwd"] = (best, dflt, tiles(n, bwd, ROW in ref.kinds, fused.flat))
             for k, ((tb, cfg), dflt, d_cfg) in res.items():
                 print(f"    sweep {k}: best {cfg} {tb:.3f} ms; default {d_cfg} {dflt:.3f} ms", flush=True)
 

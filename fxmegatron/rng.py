@@ -12,9 +12,10 @@ on tp, sequence parallelism or recomputation.
   it as an input (``torch.utils.checkpoint`` saves inputs), so recomputation
   replays the same masks with no RNG state to restore.
 * ``site`` numbers the dropout calls of the graph in order.
-* The random bits are Triton's Philox 4x32-10 (``tl.rand(seed, offset)``): key
-  (k0, k1) = (mixed seed + site, step), counter = the global element index.
-  Generated kernels call ``tl.rand`` itself and regenerate the mask in backward;
+* The random bits are Triton's Philox 4x32-10 (``tl.randint4x(seed, offset)``): key
+  (k0, k1) = (mixed seed + site, step); element g takes word g % 4 at counter g // 4
+  of its global index g, so one Philox call serves four elements.
+  Generated kernels call ``tl.randint4x`` itself and regenerate the mask in backward;
   ``philox_uniform`` below is the same function in int64 torch ops (every product
   split so that nothing overflows), so fused and unfused dropout draw the same
   mask bit for bit, on CPU and GPU.
@@ -57,9 +58,12 @@ def _mulhilo(a: int, b: Tensor) -> Tuple[Tensor, Tensor]:
     return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
 
 
-def philox_uniform(k0: Tensor, k1: Tensor, counter: Tensor) -> Tensor:
-    """``tl.rand`` in torch: uniform float32 in [0, 1) from Philox 4x32-10 with key (k0, k1)
-    and counter (low word, high word, 0, 0) of ``counter`` (int64 >= 0)."""
+def philox_uniform(k0: Tensor, k1: Tensor, index: Tensor) -> Tensor:
+    """Uniform float32 in [0, 1) for each element ``index`` (int64 >= 0): word ``index % 4`` of
+    Philox 4x32-10 with key (k0, k1) and counter (low word, high word, 0, 0) of ``index // 4``,
+    mapped to a float as ``tl.rand`` does. It is ``tl.randint4x(seed, index // 4)``, which
+    generated kernels call once per four elements."""
+    counter = index >> 2
     c0, c1 = counter & _MASK, counter >> 32
     c2 = c3 = torch.zeros((), dtype=torch.int64, device=counter.device)
     for _ in range(10):
@@ -67,7 +71,9 @@ def philox_uniform(k0: Tensor, k1: Tensor, counter: Tensor) -> Tensor:
         hi_a, lo_a = _mulhilo(_PHILOX_ROUND[0], c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY[0]) & _MASK, (k1 + _PHILOX_KEY[1]) & _MASK
-    x = torch.where(c0 >= 2 ** 31, c0 - 2 ** 32, c0)          # the int32 view of the word
+    w = index & 3
+    word = torch.where(w == 0, c0, torch.where(w == 1, c1, torch.where(w == 2, c2, c3)))
+    x = torch.where(word >= 2 ** 31, word - 2 ** 32, word)          # the int32 view of the word
     x = torch.where(x < 0, -x - 1, x)
     return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=x.device)
 
@@ -140,7 +146,7 @@ _KERNELS: dict = {}
 
 
 def _dropout_kernel(p, site, global_shape, shard_dim, slices):
-    """On GPUs: the same dropout as one generated Triton kernel (``tl.rand``, the mask drawn
+    """On GPUs: the same dropout as one generated Triton kernel (``tl.randint4x``, the mask drawn
     again in backward) instead of Philox's ~250 int64 torch ops."""
     k = (p, site, global_shape, shard_dim, tuple(slices))
     if k not in _KERNELS:

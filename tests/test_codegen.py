@@ -103,11 +103,11 @@ def _dropout_chain(p, shard_dim=-1, start=0, global_shape=()):
     return FusedChain(dropout_chain(p, 3, global_shape, shard_dim, start), [FULL, KEY])
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5])
-def test_kernel_dropout_keep_rate_and_backward_mask(p):
+# (37, 300): one Philox call per four elements; (37, 301): an odd count, one per element
+@pytest.mark.parametrize("p,shape", [(0.1, (37, 301)), (0.5, (37, 301)), (0.1, (37, 300))])
+def test_kernel_dropout_keep_rate_and_backward_mask(p, shape):
     from fxmegatron.rng import DropoutRng, keep_mask
     key = DropoutRng(seed=11).next_key("cpu")
-    shape = (37, 301)
     fused = _dropout_chain(p)
     x = (torch.rand(shape) + 0.5).requires_grad_()       # never 0: a zero output means dropped
     y = fused.apply(x, key)
@@ -125,16 +125,17 @@ def test_kernel_dropout_keep_rate_and_backward_mask(p):
     assert torch.allclose(x.grad[kept], g[kept] / (1 - p))
 
 
-def test_kernel_dropout_of_a_shard_is_a_piece_of_the_unsplit_mask():
+# (3, 40, 24): shards of whole groups of four; (3, 10, 6): shards of 3 and 2 rows of 6
+@pytest.mark.parametrize("gshape", [(3, 40, 24), (3, 10, 6)])
+def test_kernel_dropout_of_a_shard_is_a_piece_of_the_unsplit_mask(gshape):
     from fxmegatron.placement import Shard, take_shard
     from fxmegatron.rng import DropoutRng, keep_mask, local_layout
     key = DropoutRng(seed=2).next_key("cpu")
-    gshape = (3, 40, 24)
     full = keep_mask(key, 3, 0.3, gshape, gshape)
     for r in range(4):
         d, slices = local_layout(gshape, Shard(1), r, 4)
         fused = _dropout_chain(0.3, d, slices[0][0], gshape)
-        x = torch.ones(3, 10, 24)
+        x = torch.ones(gshape[0], slices[0][1], gshape[2])
         assert torch.equal(fused.apply(x, key) != 0, take_shard(full, Shard(1), r, 4))
 
 
@@ -183,3 +184,17 @@ def test_fused_cross_entropy_matches_eager(rows, vocab):
         ref.backward()
         assert abs(loss.item() - ref.item()) <= 1e-5 * max(1.0, abs(ref.item())), (loss, ref)
         assert _close(a.grad, b.grad, 1e-6), reduction
+
+
+def test_a_residual_gradient_is_the_incoming_gradient_itself():
+    from fxmegatron.codegen.patterns import DROPOUT_P
+    ref = REFERENCE_CHAINS["bias_dropout_residual"]
+    fused = FusedChain(ref.chain, ref.kinds)
+    xs = ref.inputs((6, 8))
+    g = torch.randn(6, 8)
+    dx0, dbias, dres, _ = fused.backward(xs, [g], [True, True, True, False])
+    assert dres is g                                  # no kernel store, no copy
+    keep = dx0 != 0
+    assert keep.any()
+    assert torch.allclose(dx0[keep], g[keep] / (1 - DROPOUT_P))
+    assert torch.allclose(dbias, dx0.sum(0), atol=1e-6)

@@ -12,7 +12,8 @@ The output is seen as [M, N] (N its last dim) and each kernel program owns a
 * ``key``: a dropout key (``fxmegatron.rng``), read as two scalars.
 
 Loads are upcast to fp32, the arithmetic is fp32, stores cast to the output's
-dtype. Dropout masks come from ``tl.rand`` and are drawn again in backward. The
+dtype. Dropout masks come from ``tl.randint4x`` (one Philox call per four elements)
+and are drawn again in backward. The
 backward saves only the chain's inputs and recomputes what it needs, so no
 intermediate is ever stored. A rotated input (rotary embedding) is also loaded at
 its partner column; its gradient adds the transposed rotation of the gradient
@@ -36,6 +37,7 @@ from sympy.printing.str import StrPrinter
 from .expr import Chain, Sigmoid
 
 FULL, ROW, BCAST, KEY = "full", "row", "bcast", "key"
+_UNIFORM_SCALE = 4.6566127342e-10      # triton.language.random.uint_to_uniform_float, 32-bit
 
 
 class TritonPrinter(StrPrinter):
@@ -110,6 +112,7 @@ class Layout:
     shape: Tuple[int, ...]
     bcast: Tuple[Optional[Tuple[int, ...]], ...]
     big: bool
+    q4: bool = False      # dropout draws one Philox call per four aligned columns
 
 
 def _bcast_offset(shape, ishape, rows: str, cols: str) -> str:
@@ -145,10 +148,16 @@ class _Emitter:
         self.lines.append("    " + line)
 
     def preamble(self):
-        self.add("pm = tl.program_id(0)")
-        self.add("cols1 = tl.program_id(1) * BN + tl.arange(0, BN)")
-        rows = "(pm * BM + tl.arange(0, BM)).to(tl.int64)" if self.layout.big else "pm * BM + tl.arange(0, BM)"
-        self.add(f"rows = ({rows})[:, None]")
+        # one grid dim, column blocks fastest: programs that run together cover whole rows
+        self.add("pid = tl.program_id(0)")
+        if self.layout.big:
+            self.add("pm = (pid // NB).to(tl.int64)")
+            self.add("pn = (pid % NB).to(tl.int64)")
+        else:
+            self.add("pm = pid // NB")
+            self.add("pn = pid % NB")
+        self.add("cols1 = pn * BN + tl.arange(0, BN)")
+        self.add("rows = (pm * BM + tl.arange(0, BM))[:, None]")
         self.add("cols = cols1[None, :]")
         self.add("mask = (rows < M) & (cols < N)")
         self.add("offs = rows * N + cols")
@@ -171,6 +180,22 @@ class _Emitter:
         li, gi = shape[d.shard_dim] * inner, d.global_shape[d.shard_dim] * inner
         return f"(({offs}) // {li}) * {gi} + {d.start * inner} + ({offs}) % {li}"
 
+    def _random_words(self, j: int, d, offs: str, quarter: bool):
+        """``rr{j}``: element g's random word is word g % 4 of Philox at counter g // 4
+        (``tl.randint4x``, as ``fxmegatron.rng.philox_uniform``). With ``quarter`` (groups of
+        four elements are aligned along the tile's columns) one Philox call serves four
+        columns; otherwise each element calls it and keeps its own word."""
+        if quarter:
+            self.add(f"rq{j} = pn * (BN // 4) + tl.arange(0, BN // 4)")
+            q = self._gidx(d, f"rows * N + rq{j}[None, :] * 4")
+            self.add(f"ra0, ra1, ra2, ra3 = tl.randint4x(sd{j}, (({q}) >> 2).to(tl.uint32))")
+            self.add(f"rr{j} = tl.interleave(tl.interleave(ra0, ra2), tl.interleave(ra1, ra3))")
+        else:
+            self.add(f"rg{j} = {self._gidx(d, offs)}")
+            self.add(f"ra0, ra1, ra2, ra3 = tl.randint4x(sd{j}, (rg{j} >> 2).to(tl.uint32))")
+            self.add(f"rw{j} = rg{j} & 3")
+            self.add(f"rr{j} = tl.where(rw{j} == 0, ra0, tl.where(rw{j} == 1, ra1, tl.where(rw{j} == 2, ra2, ra3)))")
+
     def point(self, sfx: str, grads: bool):
         """Loads (and dropout masks, rotations) at the tile (sfx "") or its partner columns ("_p")."""
         offs, cols = ("offs", "cols") if not sfx else ("poffs", "pcols")
@@ -188,8 +213,10 @@ class _Emitter:
             for g in self.chain.grad_outputs:
                 self.add(f"{g}{sfx} = tl.load({g}_ptr + {offs}, mask=mask, other=0).to(tl.float32)")
         for j, d in enumerate(self.chain.dropouts):
-            u = f"tl.rand(sd{j}, ({self._gidx(d, offs)}).to(tl.uint32))"
-            self.add(f"{d.mask}{sfx} = tl.where({u} >= {float(d.p)!r}, 1.0, 0.0)")
+            self._random_words(j, d, offs, quarter=self.layout.q4 and not sfx)
+            self.add(f"rr{j} = rr{j}.to(tl.int32, bitcast=True)")      # tl.rand's uint -> [0, 1)
+            self.add(f"rr{j} = tl.where(rr{j} < 0, -rr{j} - 1, rr{j}).to(tl.float32) * {_UNIFORM_SCALE!r}")
+            self.add(f"{d.mask}{sfx} = tl.where(rr{j} >= {float(d.p)!r}, 1.0, 0.0)")
         for i, r in self.chain.rotated.items():
             x = self.xs[i]
             if sfx:    # rotate_half(x) at the partner: -sgn * x here
@@ -203,7 +230,7 @@ def forward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layout
     em = _Emitter(chain, kinds, layout)
     outs = [f"y{i}" for i in range(len(chain.outputs))]
     head = ["@triton.jit",
-            f"def {name}({', '.join(x + '_ptr' for x in em.xs + outs)}, M, N, BM: tl.constexpr, "
+            f"def {name}({', '.join(x + '_ptr' for x in em.xs + outs)}, M, N, NB, BM: tl.constexpr, "
             "BN: tl.constexpr):"]
     em.preamble()
     em.point("", grads=False)
@@ -229,7 +256,7 @@ def backward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layou
     needs = [k != KEY for k in kinds] if needs is None else [bool(n) and k != KEY for n, k in zip(needs, kinds)]
     dxs = [f"d{x}" for x, k in zip(em.xs, kinds) if k != KEY]
     head = ["@triton.jit",
-            f"def {name}({', '.join(v + '_ptr' for v in em.xs + gs + dxs)}, M, N, BM: tl.constexpr, "
+            f"def {name}({', '.join(v + '_ptr' for v in em.xs + gs + dxs)}, M, N, NB, BM: tl.constexpr, "
             "BN: tl.constexpr):"]
     em.preamble()
     em.point("", grads=True)
@@ -296,16 +323,23 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def tiles(n: int, backward: bool, row_grad: bool = False) -> Tuple[int, int, int]:
+def tiles(n: int, backward: bool, row_grad: bool = False, flat: bool = False) -> Tuple[int, int, int]:
     """(BM, BN, num_warps) for an [M, n] output, from a sweep on an H200
-    (``benchmarks/fused_kernels.py --sweep``): 4096-element tiles; a backward that sums a bias
-    gradient takes tall narrow tiles (fewer row partials). Fixed, not timed at run time: every
-    tp rank must sum a replicated bias's gradient in the same order."""
+    (``benchmarks/fused_kernels.py --sweep``). ``flat``: a chain of full-shape inputs only,
+    run as one row of all its elements. Forward tiles are up to 1024 wide (4096 elements, 4
+    warps; narrow rows 2048 elements, 8 warps); a backward that sums a bias gradient takes
+    tall narrow tiles (fewer row partials). Fixed, not timed at run
+    time: every tp rank must sum a replicated bias's gradient in the same order."""
+    if flat:
+        return 1, 2048, 4
     if backward and row_grad:
         bn = min(_pow2(n), 64)
         return max(1, 4096 // bn), bn, 4
-    bn = min(_pow2(n), 128)
-    return max(1, (4096 if not backward else 2048) // bn), bn, 8
+    if backward:
+        bn = min(_pow2(n), 128)
+        return max(1, 2048 // bn), bn, 8
+    bn = min(_pow2(n), 1024)
+    return (max(1, 4096 // bn), bn, 4) if bn >= 512 else (max(1, 2048 // bn), bn, 8)
 
 
 class FusedChain:
@@ -319,20 +353,59 @@ class FusedChain:
         self.fwd_tiles: Optional[Tuple[int, int, int]] = None     # overrides of ``tiles`` (benchmarks)
         self.bwd_tiles: Optional[Tuple[int, int, int]] = None
         self._src: Dict[tuple, str] = {}
-        self._example = self._layout(shapes) if shapes is not None else None
+        self._plans: Dict[tuple, tuple] = {}
+        # input i whose gradient is exactly incoming gradient j
+        self._passed = {i: chain.grad_outputs.index(e) for i, e in enumerate(chain.grads)
+                        if e in chain.grad_outputs and i not in chain.rotated}
+        q4 = bool(chain.dropouts)     # the dump shows the common, aligned case
+        self._example = self._layout(shapes, q4) if shapes is not None else None
         if self._example is None and BCAST not in self.kinds and not self._sharded_dropout():
-            self._example = Layout((1,), tuple(None for _ in self.kinds), False)
+            self._example = Layout((1,), tuple(None for _ in self.kinds), False, q4)
 
     def _sharded_dropout(self) -> bool:
         return any(d.shard_dim >= 0 for d in self.chain.dropouts)
 
-    def _layout(self, shapes) -> Layout:
+    def _layout(self, shapes, q4: bool = False) -> Layout:
         full = next(tuple(s) for s, k in zip(shapes, self.kinds) if k == FULL)
         pad = tuple((1,) * (len(full) - len(s)) + tuple(s) if k == BCAST else None
                     for s, k in zip(shapes, self.kinds))
         # shape only matters to the source through broadcast offsets and sharded dropout
         shape = full if (BCAST in self.kinds or self._sharded_dropout()) else (1,)
-        return Layout(shape, pad, math.prod(full) >= 2 ** 31)
+        return Layout(shape, pad, math.prod(full) >= 2 ** 31, q4)
+
+    @property
+    def flat(self) -> bool:
+        """Full-shape inputs only: the kernels see one row of all the elements."""
+        return all(k in (FULL, KEY) for k in self.kinds) and not self.chain.rotated
+
+    def _view(self, full: torch.Tensor) -> Tuple[int, int]:
+        if self.flat:
+            return 1, full.numel()
+        n = full.shape[-1]
+        return full.numel() // max(n, 1), n
+
+    def _quarter(self, full: torch.Tensor, n: int, bn: int) -> bool:
+        """Whether each aligned group of four columns holds four consecutive indices of every
+        dropout's unsplit tensor, starting at a multiple of four (see ``_Emitter._random_words``)."""
+        if not self.chain.dropouts or n % 4 or bn % 4:
+            return False
+        for d in self.chain.dropouts:
+            if d.shard_dim >= 0:
+                inner = math.prod(full.shape[d.shard_dim + 1:])
+                if (full.shape[d.shard_dim] * inner) % 4 or (d.global_shape[d.shard_dim] * inner) % 4 \
+                        or (d.start * inner) % 4:
+                    return False
+        return True
+
+    def _launch(self, xs, backward: bool):
+        """(m, n, layout, (BM, BN, warps), row blocks, column blocks) of a call."""
+        import triton
+        full = self._full(xs)
+        m, n = self._view(full)
+        cfg = (self.bwd_tiles if backward else self.fwd_tiles) or \
+            tiles(n, backward, any(k == ROW for k in self.kinds), self.flat)
+        layout = self._layout([tuple(x.shape) for x in xs], self._quarter(full, n, cfg[1]))
+        return m, n, layout, cfg, triton.cdiv(m, cfg[0]), triton.cdiv(n, cfg[1])
 
     def source(self, layout: Layout, backward: bool, needs: Optional[Tuple[bool, ...]] = None) -> str:
         key = (layout, backward, needs)
@@ -356,30 +429,37 @@ class FusedChain:
         fulls = [x for x, k in zip(xs, self.kinds) if k in (FULL, ROW, BCAST) and x.is_floating_point()]
         return fulls[0].dtype
 
+    def _plan(self, xs, backward: bool, needs=None):
+        """(kernel, grid, m, n, NB, tiles, row blocks) of a call, cached by the inputs' shapes
+        and dtypes: a call then costs a dict look-up and a launch (these kernels run in tens
+        of microseconds, so host time shows)."""
+        key = (tuple((x.shape, x.dtype, x.device) for x in xs), backward, needs, self.fwd_tiles, self.bwd_tiles)
+        plan = self._plans.get(key)
+        if plan is None:
+            m, n, layout, cfg, mb, nb = self._launch(xs, backward)
+            kernel = compile_source(self.source(layout, backward, needs if backward else None),
+                                    "bwd" if backward else "fwd")
+            plan = self._plans[key] = (kernel, (mb * nb,), m, n, nb, cfg, mb)
+        return plan
+
     def forward(self, *xs: torch.Tensor) -> List[torch.Tensor]:
-        import triton
         full = self._full(xs)
-        n = full.shape[-1]
-        m = full.numel() // max(n, 1)
-        layout = self._layout([tuple(x.shape) for x in xs])
-        bm, bn, warps = self.fwd_tiles or tiles(n, False)
+        kernel, grid, m, n, nb, (bm, bn, warps), _ = self._plan(xs, False)
         outs = [torch.empty(full.shape, dtype=self._out_dtype(xs), device=full.device)
                 for _ in self.chain.outputs]
-        kernel = compile_source(self.source(layout, False), "fwd")
-        kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](*[x.contiguous() for x in xs], *outs, m, n,
-                                                         BM=bm, BN=bn, num_warps=warps)
+        kernel[grid](*[x.contiguous() for x in xs], *outs, m, n, nb, BM=bm, BN=bn, num_warps=warps)
         return outs
 
     def backward(self, xs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor],
                  needs: Optional[Sequence[bool]] = None) -> List[Optional[torch.Tensor]]:
-        import triton
         full = self._full(xs)
-        n = full.shape[-1]
-        m = full.numel() // max(n, 1)
         needs = tuple(bool(w) and k != KEY for w, k in zip(needs or [True] * len(xs), self.kinds))
-        layout = self._layout([tuple(x.shape) for x in xs])
-        bm, bn, warps = self.bwd_tiles or tiles(n, True, any(k == ROW for k in self.kinds))
-        blocks = triton.cdiv(m, bm)
+        # a gradient that is an incoming gradient as it is (a residual add) is that tensor
+        passed = {i: self._passed[i] for i in range(len(xs))
+                  if needs[i] and i in self._passed and xs[i].shape == full.shape
+                  and gs[self._passed[i]].dtype == xs[i].dtype}
+        needs = tuple(w and i not in passed for i, w in enumerate(needs))
+        kernel, grid, m, n, nb, (bm, bn, warps), blocks = self._plan(xs, True, needs)
         dxs = {}
         for i, (x, k) in enumerate(zip(xs, self.kinds)):
             if k == KEY or not needs[i]:
@@ -390,11 +470,13 @@ class FusedChain:
                 dxs[i] = torch.empty((blocks, n), dtype=torch.float32, device=full.device)
             else:
                 dxs[i] = torch.empty(full.shape, dtype=torch.float32, device=full.device)
-        # inputs whose gradient is not asked for still take a (never written) pointer slot
-        slots = [dxs.get(i, full) for i, k in enumerate(self.kinds) if k != KEY]
-        kernel = compile_source(self.source(layout, True, needs), "bwd")
-        kernel[(blocks, triton.cdiv(n, bn))](*[x.contiguous() for x in xs], *[g.contiguous() for g in gs],
-                                            *slots, m, n, BM=bm, BN=bn, num_warps=warps)
+        if any(needs):
+            # inputs whose gradient is not asked for still take a (never written) pointer slot
+            slots = [dxs.get(i, full) for i, k in enumerate(self.kinds) if k != KEY]
+            kernel[grid](*[x.contiguous() for x in xs], *[g.contiguous() for g in gs],
+                         *slots, m, n, nb, BM=bm, BN=bn, num_warps=warps)
+        for i, j in passed.items():
+            dxs[i] = gs[j]
         out: List[Optional[torch.Tensor]] = []
         for i, (x, k) in enumerate(zip(xs, self.kinds)):
             if i not in dxs:
