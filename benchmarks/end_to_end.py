@@ -35,11 +35,12 @@ number of processes):
   output is cut to the rank's sequence shard (Megatron's way); each Block is wrapped in
   ``torch.compile``. Attention runs on the local heads (a forward that views
   ``(B, T, -1, head_dim)``: the same math).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse][-nosp][-rsel|-rfull]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile][-nosp][-rsel|-rfull]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device. tp > 1 turns sequence parallelism on (``-nosp``: off); ``-vN`` virtual
   stages (interleaved 1F1B); ``-mN`` microbatches (default: --microbatches, 8, when pp > 1,
-  else 1); ``-fuse``: generated Triton kernels; ``-rsel``/``-rfull``: recomputation.
+  else 1); ``-fuse``: generated Triton kernels; ``-compile``: each rank's graph (or
+  pipeline chunk) through torch.compile; ``-rsel``/``-rfull``: recomputation.
 - ``-mN`` on eager/compile/native-tpN: gradient accumulation over N microbatches.
 
 A step = forward + backward (``pm.train_step(ids, labels)`` for fxmegatron), clipping
@@ -144,6 +145,7 @@ class Layout:
     schedule: Optional[str] = None
     sp: bool = True
     fuse: bool = False
+    compile: bool = False
     recompute: str = "none"
 
     @property
@@ -173,6 +175,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.schedule = tok
         elif head == "fx" and tok == "fuse":
             lay.fuse = True
+        elif head == "fx" and tok == "compile":
+            lay.compile = True
         elif head == "fx" and tok == "nosp":
             lay.sp = False
         elif head == "fx" and tok in ("rsel", "rfull"):
@@ -358,7 +362,7 @@ def build_fx(lay, cfg, dev, dtype, ids, labels, meshes, ref_state=None, **_):
         model = GPT(cfg).to(dtype)
     pm = fxmegatron.parallelize(model, mesh, (ids, labels), sequence_parallel=lay.sp, recompute=lay.recompute,
                                 microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
-                                state_dict=ref_state)
+                                compile=lay.compile, state_dict=ref_state)
     return Job(list(pm.parameters()), lambda: pm.train_step(ids, labels), lambda: pm.clip_grad_norm_(1.0), [pm])
 
 

@@ -18,6 +18,7 @@ from .capture import Captured, batch_args, capture, retarget_device
 from .data_parallel import GradSync
 from .dump import write_dump
 from .errors import MeshError, ShardingError
+from .inductor import check_compile_options, compile_graph
 from .materialize import local_parameter
 from .passes.dropout_rng import RNG_ATTR, apply_counter_rng
 from .passes.pipeline_split import Chunk, split_pipeline
@@ -355,7 +356,7 @@ class ParallelModel(nn.Module):
 def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: bool = False,
                 recompute="none", microbatches: int = 1, virtual_stages: int = 1,
                 schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
-                fuse: bool = False,
+                fuse: bool = False, compile=False,
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
                 _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
@@ -372,10 +373,13 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     virtual_stages > 1) over ``microbatches`` per ``train_step``.
     ``fuse``: each run of elementwise ops becomes one generated Triton kernel (forward, and a
     backward that recomputes the run); without CUDA the runs execute as the original ops.
+    ``compile``: each rank's graph (or pipeline chunk) goes to torch.compile after the passes
+    (True, or a torch.compile mode string); inductor then generates the kernels.
     Weights come from ``state_dict``, else from the model, else (meta model) are
     initialised shard by shard. ``seed``: for that initialisation and
     for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).
     """
+    check_compile_options(compile, fuse)
     axes = _mesh_axes(mesh)
     tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
     pipelined = pp.size > 1 or virtual_stages > 1 or _chunked
@@ -408,6 +412,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     apply_recompute(local, recompute)
     if fuse:
         apply_fuse(local)
+    mode = compile if isinstance(compile, str) else None
     pipe = None
     if pipelined:
         t0 = time.perf_counter()
@@ -416,12 +421,17 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
         specs = boundary_specs(chunks, placeholders)
         stage = build_stage(chunks, pp.size, pp.rank, cap, plan.param_plc, tp.rank, tp.size, device,
                             state_dict, seed, local)
+        if compile:
+            for m in stage.modules.values():
+                compile_graph(m, mode)
         runner = StageRunner(sched, pp.rank, stage.modules, {c.index: c.batch_inputs for c in chunks}, specs,
                              pp.ranks, pp.group, device)
         pipe = Pipeline(sched, chunks, stage, runner)
         timings["pipeline_s"] = time.perf_counter() - t0
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print("fxmegatron: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()), flush=True)
+    if compile and not pipelined:
+        compile_graph(local, mode)
     pm = ParallelModel(None if pipelined else local, cap, plan, axes, timings, microbatches, pipe)
     if pipelined:
         pm._meta = [local]   # a plain list: not a submodule, its parameters are meta

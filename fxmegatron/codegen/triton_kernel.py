@@ -286,9 +286,10 @@ def backward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layou
 
 def kernels_run(x: torch.Tensor, interpreter: bool = True) -> bool:
     """Whether generated kernels run on ``x``: a real tensor (shape propagation runs ops on
-    fake and meta ones) on a GPU, or on CPU under ``TRITON_INTERPRET=1`` when ``interpreter``."""
+    fake and meta ones) on a GPU, or on CPU under ``TRITON_INTERPRET=1`` when ``interpreter``.
+    Never while torch.compile traces: inductor then generates the kernels of the torch form."""
     from torch._subclasses.fake_tensor import is_fake
-    if is_fake(x) or x.device.type == "meta":
+    if torch.compiler.is_compiling() or is_fake(x) or x.device.type == "meta":
         return False
     return x.is_cuda or (interpreter and os.environ.get("TRITON_INTERPRET") == "1")
 

@@ -1,0 +1,55 @@
+"""Hand a rank's transformed graph (or each of its pipeline chunks) to torch.compile.
+
+fxmegatron's passes decide what runs where (shards, collectives, recomputation,
+pipeline chunks); inductor then generates the kernels of each rank's graph, fusing
+its elementwise and reduction runs around the matmuls. The graph's collectives are
+torch.library ops with fake implementations, so they stay in the compiled graph as
+calls, in the order the passes put them.
+
+One thing cannot be traced: the dropout key. ``rng_key`` reads and advances the
+step counter of ``DropoutRng`` (a Python int); traced, the step would be a constant
+and every step a recompilation. It runs outside the compiled graph
+(``torch._dynamo.disable``), and the graph takes the key as an input.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .errors import FxMegatronError
+from .rng import rng_key
+
+
+class CompileError(FxMegatronError, ValueError):
+    pass
+
+
+_eager_rng_key = None
+
+
+def _outside_graph_rng_key():
+    global _eager_rng_key
+    if _eager_rng_key is None:
+        _eager_rng_key = torch._dynamo.disable(rng_key)
+    return _eager_rng_key
+
+
+def compile_graph(gm: fx.GraphModule, mode=None) -> fx.GraphModule:
+    """``gm`` with its forward compiled by torch.compile (static shapes: microbatches are all
+    the same size). ``mode``: torch.compile's mode (None, "max-autotune-no-cudagraphs", ...).
+    The module keeps its parameters and names; only ``forward`` changes."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is rng_key:
+            n.target = _outside_graph_rng_key()
+    gm.recompile()
+    gm.forward = torch.compile(gm.forward, dynamic=False, mode=mode)
+    return gm
+
+
+def check_compile_options(compile, fuse: bool):
+    if compile and fuse:
+        raise CompileError("parallelize(compile=True, fuse=True): choose one. compile hands each rank's graph "
+                           "to inductor, which generates its own fused kernels; fuse=True generates "
+                           "fxmegatron's kernels for the same elementwise runs")
+    if compile not in (False, True, None) and not isinstance(compile, str):
+        raise CompileError(f"parallelize(compile={compile!r}): expected a bool or a torch.compile mode string")
