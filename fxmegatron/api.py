@@ -24,6 +24,7 @@ from .passes.dropout_rng import RNG_ATTR, apply_counter_rng
 from .passes.pipeline_split import Chunk, split_pipeline
 from .passes.fuse import apply_fuse
 from .passes.recompute import apply_recompute
+from .passes.trivial_collectives import drop_trivial_collectives
 from .passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from .placement import Placement, R, join_shards
 from .schedules import Schedule, ScheduleError, make_schedule
@@ -398,6 +399,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     t0 = time.perf_counter()
     plan = plan_tensor_parallel(gm, tp.size, cap.params.keys(), sequence_parallel)
     apply_tensor_parallel(gm, plan, tp.rank, tp.group_name)
+    if tp.size == 1:
+        drop_trivial_collectives(gm)
     # data-parallel replicas see different samples: their dropout masks must differ too
     apply_counter_rng(gm, tp.rank, tp.size, seed + 0x9E3779B1 * dp.rank)
     timings["tensor_parallel_s"] = time.perf_counter() - t0

@@ -4,6 +4,8 @@ Both take the rank's slice of the vocabulary ``[vocab_start, vocab_start + V/t)`
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,14 +33,10 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     """
     out_dtype = logits.dtype
     from .codegen.triton_kernel import kernels_run
-    if kernels_run(logits):
-        import torch.distributed as dist
-
+    # a real GPU tensor, the interpreter, or torch.compile tracing for either (the op stays a call)
+    if kernels_run(logits) or _compiling_for_kernels(logits):
         from .codegen.cross_entropy import fused_vocab_cross_entropy
-        from .collectives import _group
-        pg = _group(group_name)
-        pg = pg if pg is not None and dist.get_world_size(pg) > 1 else None
-        loss = fused_vocab_cross_entropy(logits, target, vocab_start, pg, ignore_index)
+        loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index)
         return _reduce(loss, target != ignore_index, reduction, out_dtype)
     logits = logits.float()    # softmax statistics in fp32 whatever the model's dtype, as Megatron does
     shift = all_reduce_max(logits.detach().amax(-1), group_name)
@@ -51,6 +49,10 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     valid = target != ignore_index
     loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
     return _reduce(loss, valid, reduction, out_dtype)
+
+
+def _compiling_for_kernels(x: Tensor) -> bool:
+    return torch.compiler.is_compiling() and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _reduce(loss: Tensor, valid: Tensor, reduction: int, out_dtype) -> Tensor:

@@ -40,3 +40,17 @@ def test_compiled_graph_equals_the_uncompiled_one_and_compiles_once():
 def test_compile_and_fuse_together_is_an_error():
     with pytest.raises(CompileError, match="compile=True, fuse=True"):
         fxmegatron.parallelize(models.build("gpt"), None, models.batch("gpt"), compile=True, fuse=True)
+
+
+def test_the_fused_cross_entropy_stays_one_op_in_the_compiled_graph():
+    # under TRITON_INTERPRET=1 (conftest) as on a GPU: dynamo keeps fxmegatron::vocab_ce as a call
+    # instead of tracing the unfused fp32 form
+    pm = fxmegatron.parallelize(models.build("gpt", n_layer=1), None, models.batch("gpt"))
+    graphs = []
+
+    def record(g, example_inputs):
+        graphs.append(g.code)
+        return g.forward
+    pm.graph_module.forward = torch.compile(pm.graph_module.forward, backend=record, dynamic=False)
+    pm(models.batch("gpt")).backward()
+    assert len(graphs) == 1 and "fxmegatron.vocab_ce" in graphs[0] and "amax" not in graphs[0]

@@ -15,7 +15,7 @@ Only the logits (the lm_head's output, kept anyway) and two vectors of N are sav
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Tuple
 
 import torch
 from torch import Tensor
@@ -62,46 +62,71 @@ def _kernels():
     return compile_source(_SRC, "ce_fwd"), compile_source(_SRC, "ce_bwd")
 
 
-class _VocabCE(torch.autograd.Function):
-    """Per-row losses of logits split along the vocabulary; ``group`` None at tp=1."""
+# torch.library ops, so that torch.compile keeps them as calls (inductor would otherwise
+# trace the unfused fp32 form); ``group_name`` as in ``fxmegatron.collectives``
+@torch.library.custom_op("fxmegatron::vocab_ce", mutates_args=())
+def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: str) -> Tuple[Tensor, Tensor]:
+    """(per-row losses, per-row log-sum-exp) of [N, V/t] logits split along the vocabulary."""
+    import torch.distributed as dist
 
-    @staticmethod
-    def forward(ctx, logits: Tensor, local_target: Tensor, valid: Tensor, group):
-        import torch.distributed as dist
-        fwd, _ = _kernels()
-        x = logits.reshape(-1, logits.shape[-1])
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        n, v = x.shape
-        t = local_target.reshape(-1).contiguous()
-        mx = torch.empty(n, dtype=torch.float32, device=x.device)
-        sm, pick = torch.empty_like(mx), torch.empty_like(mx)
-        fwd[(n,)](x, t, mx, sm, pick, v, x.stride(0), BV=_BV_FWD)
-        if group is not None:
-            gmax = mx.clone()
-            dist.all_reduce(gmax, dist.ReduceOp.MAX, group=group)
-            sm = sm * torch.exp(mx - gmax)
-            both = torch.stack([sm, pick])
-            dist.all_reduce(both, group=group)
-            sm, pick, mx = both[0], both[1], gmax
-        lse = torch.log(sm) + mx
-        loss = (lse - pick).masked_fill(~valid.reshape(-1), 0.0)
-        ctx.save_for_backward(x, t, lse, valid.reshape(-1))
-        ctx.shape = logits.shape
-        return loss.reshape(logits.shape[:-1])
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        _, bwd = _kernels()
-        x, t, lse, valid = ctx.saved_tensors
-        n, v = x.shape
-        g = (g.reshape(-1).float() * valid).contiguous()      # ignored tokens: no gradient
-        dx = torch.empty((n, v), dtype=x.dtype, device=x.device)
-        bwd[(n, (v + _BV_BWD - 1) // _BV_BWD)](x, t, lse, g, dx, v, x.stride(0), BV=_BV_BWD)
-        return dx.reshape(ctx.shape), None, None, None
+    from ..collectives import _group
+    fwd, _ = _kernels()
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    n, v = x.shape
+    t = local_target.contiguous()
+    mx = torch.empty(n, dtype=torch.float32, device=x.device)
+    sm, pick = torch.empty_like(mx), torch.empty_like(mx)
+    fwd[(n,)](x, t, mx, sm, pick, v, x.stride(0), BV=_BV_FWD)
+    group = _group(group_name)
+    if group is not None and dist.get_world_size(group) > 1:
+        gmax = mx.clone()
+        dist.all_reduce(gmax, dist.ReduceOp.MAX, group=group)
+        sm = sm * torch.exp(mx - gmax)
+        both = torch.stack([sm, pick])
+        dist.all_reduce(both, group=group)
+        sm, pick, mx = both[0], both[1], gmax
+    lse = torch.log(sm) + mx
+    return (lse - pick).masked_fill(~valid, 0.0), lse
 
 
-def fused_vocab_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, group: Optional[object],
+@vocab_ce.register_fake
+def _(logits, local_target, valid, group_name):
+    n = logits.shape[0]
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("fxmegatron::vocab_ce_backward", mutates_args=())
+def vocab_ce_backward(logits: Tensor, local_target: Tensor, lse: Tensor, g: Tensor) -> Tensor:
+    """(softmax − one-hot) · g per row, in the logits' dtype; g is 0 on ignored rows."""
+    _, bwd = _kernels()
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    n, v = x.shape
+    dx = torch.empty((n, v), dtype=x.dtype, device=x.device)
+    bwd[(n, (v + _BV_BWD - 1) // _BV_BWD)](x, local_target.contiguous(), lse, g.contiguous(), dx, v,
+                                            x.stride(0), BV=_BV_BWD)
+    return dx
+
+
+@vocab_ce_backward.register_fake
+def _(logits, local_target, lse, g):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _setup(ctx, inputs, output):
+    logits, local_target, valid, _ = inputs
+    ctx.save_for_backward(logits, local_target, output[1], valid)
+
+
+def _backward(ctx, g, _g_lse):
+    logits, local_target, lse, valid = ctx.saved_tensors
+    g = g.float() * valid            # ignored tokens: no gradient
+    return vocab_ce_backward(logits, local_target, lse, g), None, None, None
+
+
+vocab_ce.register_autograd(_backward, setup_context=_setup)
+
+
+def fused_vocab_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, group_name: str,
                               ignore_index: int = -100) -> Tensor:
     """Per-token losses (0 where ``target == ignore_index``), fp32; see the module doc."""
     local = target - vocab_start
@@ -109,4 +134,6 @@ def fused_vocab_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, 
     valid = target != ignore_index
     # -1: not this rank's class (or ignored); the kernels then pick nothing and subtract no one-hot
     local = torch.where(inside & valid, local, torch.full_like(local, -1))
-    return _VocabCE.apply(logits, local, valid, group)
+    v = logits.shape[-1]
+    loss, _ = vocab_ce(logits.reshape(-1, v), local.reshape(-1), valid.reshape(-1), group_name)
+    return loss.reshape(logits.shape[:-1])
