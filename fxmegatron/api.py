@@ -250,9 +250,14 @@ class ParallelModel(nn.Module):
         norm = sq.sqrt()
         # no host sync (as torch's clip_grad_norm_): scale by min(1, max_norm / norm) on the device
         coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef)
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in self.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        # the coefficient in the gradients' dtype: a mixed-dtype _foreach_mul_ falls back to
+        # one kernel per tensor (as torch's clip, which computes its norm in that dtype)
+        for dtype, grads in by_dtype.items():
+            torch._foreach_mul_(grads, coef.to(dtype))
         return norm
 
     def _sum_shared_grads(self) -> None:

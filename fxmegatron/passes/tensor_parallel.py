@@ -797,7 +797,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
             continue
         node.meta["tp_decision"] = f"{dec.kind}" + (f": {dec.reason}" if dec.reason else "")
         pk = _packet(node)
-        if dec.kind == "row" and node in plan.row_bias:
+        if dec.kind == "row" and node in plan.row_bias and tp > 1:
             # the bias is added after the reduction (g or reduce-scatter): see bias_after
             if pk is aten.linear:
                 node.args, node.kwargs = node.args[:2], {}
@@ -827,7 +827,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
 
     def with_bias(src, red, f_bias):
         """A deferred row-parallel bias, added after the reduction."""
-        b = plan.bias_after.get(src)
+        b = plan.bias_after.get(src) if tp > 1 else None    # at tp=1 the bias stays in the matmul
         if b is None:
             return red
         if f_bias:   # on sequence shards each rank sees part of the bias's gradient
