@@ -77,6 +77,19 @@ class TritonPrinter(StrPrinter):
             return f"tl.rsqrt({b})"
         return f"tl.exp(({self._print(x)})*tl.log({b}))"
 
+    def _print_Mul(self, e):
+        # numeric factors (sqrt(pi), 1/2, ...) folded into one float coefficient: a product,
+        # never a division by a constant (an fp32 division is a long instruction sequence)
+        nums = [f for f in e.args if f.is_number]
+        rest = [f for f in e.args if not f.is_number]
+        if not rest:
+            return repr(float(e))
+        body = "*".join(f"({self._print(f)})" if f.is_Add else self._print(f) for f in rest)
+        if not nums:
+            return body
+        c = float(sp.Mul(*nums))
+        return body if c == 1.0 else f"(-{body})" if c == -1.0 else f"{c!r}*{body}"
+
     def _print_Piecewise(self, e):
         (val, cond), rest = e.args[0], e.args[1:]
         other = self._print(rest[0].expr) if len(rest) == 1 and rest[0].cond == sp.true else \
@@ -196,11 +209,15 @@ class _Emitter:
             self.add(f"rw{j} = rg{j} & 3")
             self.add(f"rr{j} = tl.where(rw{j} == 0, ra0, tl.where(rw{j} == 1, ra1, tl.where(rw{j} == 2, ra2, ra3)))")
 
-    def point(self, sfx: str, grads: bool):
-        """Loads (and dropout masks, rotations) at the tile (sfx "") or its partner columns ("_p")."""
+    def point(self, sfx: str, grads: bool, used: Optional[set] = None):
+        """Loads (and dropout masks, rotations) at the tile (sfx "") or its partner columns ("_p");
+        with ``used`` (names the expressions read), only those."""
         offs, cols = ("offs", "cols") if not sfx else ("poffs", "pcols")
+        need = (lambda v: True) if used is None else (lambda v: v in used)
         for i, (x, k) in enumerate(zip(self.xs, self.kinds)):
             if k == KEY or (sfx and i in self.chain.rotated):    # a rotated input's partner load is made below
+                continue
+            if not need(x + sfx) and i not in self.chain.rotated:
                 continue
             if k == FULL:
                 idx, m = offs, "mask"
@@ -211,8 +228,11 @@ class _Emitter:
             self.add(f"{x}{sfx} = tl.load({x}_ptr + {idx}, mask={m}, other=0).to(tl.float32)")
         if grads:
             for g in self.chain.grad_outputs:
-                self.add(f"{g}{sfx} = tl.load({g}_ptr + {offs}, mask=mask, other=0).to(tl.float32)")
+                if need(f"{g}{sfx}"):
+                    self.add(f"{g}{sfx} = tl.load({g}_ptr + {offs}, mask=mask, other=0).to(tl.float32)")
         for j, d in enumerate(self.chain.dropouts):
+            if not need(f"{d.mask}{sfx}"):
+                continue
             self._random_words(j, d, offs, quarter=self.layout.q4 and not sfx)
             self.add(f"rr{j} = rr{j}.to(tl.int32, bitcast=True)")      # tl.rand's uint -> [0, 1)
             self.add(f"rr{j} = tl.where(rr{j} < 0, -rr{j} - 1, rr{j}).to(tl.float32) * {_UNIFORM_SCALE!r}")
@@ -259,13 +279,15 @@ def backward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layou
             f"def {name}({', '.join(v + '_ptr' for v in em.xs + gs + dxs)}, M, N, NB, BM: tl.constexpr, "
             "BN: tl.constexpr):"]
     em.preamble()
-    em.point("", grads=True)
     want = [i for i, n in enumerate(needs) if n]
     exprs = [chain.grads[i] for i in want]
     rot = [i for i in want if i in chain.rotated]
+    exprs += [_partner(chain.rot_grads[i], chain) for i in rot]
+    # load only what the gradients read (a mask's gradient never needs the masked values)
+    used = {str(v) for e in exprs for v in e.free_symbols}
+    em.point("", grads=True, used=used)
     if rot:
-        em.point("_p", grads=True)
-        exprs += [_partner(chain.rot_grads[i], chain) for i in rot]
+        em.point("_p", grads=True, used=used)
     shared, red = sp.cse(exprs, symbols=sp.numbered_symbols("t"), optimizations="basic")
     for s_, e in shared:
         em.add(f"{s_} = {_pr(e)}")
@@ -273,7 +295,10 @@ def backward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layou
     rval = dict(zip(rot, red[len(want):]))
     for i in want:
         d, k = f"d{em.xs[i]}", kinds[i]
-        em.add(f"{d} = {_pr(val[i])} + 0.0 * {gs[0]}")   # a tile even where the gradient is a constant
+        if val[i].free_symbols:
+            em.add(f"{d} = {_pr(val[i])}")
+        else:    # a constant gradient still fills a tile
+            em.add(f"{d} = tl.zeros([BM, BN], dtype=tl.float32) + {_pr(val[i])}")
         if i in rval:    # the transposed rotation: -rotate_half of the rotated value's gradient
             em.add(f"{d} = {d} - sgn * ({_pr(rval[i])})")
         if k == ROW:
