@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 from fxmegatron.codegen.patterns import REFERENCE_CHAINS  # noqa: E402
-from fxmegatron.codegen.triton_kernel import FULL, KEY, ROW, FusedChain, tiles  # noqa: E402
+from fxmegatron.codegen.triton_kernel import BCAST, FULL, KEY, ROW, FusedChain, tiles  # noqa: E402
 
 B, S = 8, 2048
 # (label, reference chain, output shape)
@@ -113,7 +113,8 @@ def main():
                 with torch.no_grad():
                     dflt = bench(lambda: fused.backward(xs, [g], [x.requires_grad for x in xs])) if bwd \
                         else bench(lambda: fused.forward(*xs))
-                res["bwd" if bwd else "fwd"] = (best, dflt, tiles(n, bwd, ROW in ref.kinds, fused.flat))
+                res["bwd" if bwd else "fwd"] = (best, dflt, tiles(n, bwd, ROW in ref.kinds, fused.flat, BCAST in ref.kinds,
+                                                                  bool(ref.chain.rotated)))
             for k, ((tb, cfg), dflt, d_cfg) in res.items():
                 print(f"    sweep {k}: best {cfg} {tb:.3f} ms; default {d_cfg} {dflt:.3f} ms", flush=True)
 

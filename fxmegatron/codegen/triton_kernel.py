@@ -349,21 +349,23 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def tiles(n: int, backward: bool, row_grad: bool = False, flat: bool = False) -> Tuple[int, int, int]:
-    """(BM, BN, num_warps) for an [M, n] output, from a sweep on an H200
+def tiles(n: int, backward: bool, row_grad: bool = False, flat: bool = False,
+          bcast: bool = False, rotated: bool = False) -> Tuple[int, int, int]:
+    """(BM, BN, num_warps) for an [M, n] output, from sweeps on an H200
     (``benchmarks/fused_kernels.py --sweep``). ``flat``: a chain of full-shape inputs only,
-    run as one row of all its elements. Forward tiles are up to 1024 wide (4096 elements, 4
-    warps; narrow rows 2048 elements, 8 warps); a backward that sums a bias gradient takes
-    tall narrow tiles (fewer row partials). Fixed, not timed at run
+    run as one row of all its elements. A forward with a row input (a bias) takes wide
+    tiles (up to 1024 columns, 4 warps); one with a broadcast input (a mask, rotary tables)
+    128 columns, 4096 elements (2048 when rotated: the partner load). A backward that sums
+    a bias gradient takes tall narrow tiles (fewer row partials). Fixed, not timed at run
     time: every tp rank must sum a replicated bias's gradient in the same order."""
     if flat:
         return 1, 2048, 4
     if backward and row_grad:
         bn = min(_pow2(n), 64)
         return max(1, 4096 // bn), bn, 4
-    if backward:
+    if backward or bcast:
         bn = min(_pow2(n), 128)
-        return max(1, 2048 // bn), bn, 8
+        return max(1, (2048 if rotated else 4096) // bn), bn, 8
     bn = min(_pow2(n), 1024)
     return (max(1, 4096 // bn), bn, 4) if bn >= 512 else (max(1, 2048 // bn), bn, 8)
 
@@ -429,7 +431,7 @@ class FusedChain:
         full = self._full(xs)
         m, n = self._view(full)
         cfg = (self.bwd_tiles if backward else self.fwd_tiles) or \
-            tiles(n, backward, any(k == ROW for k in self.kinds), self.flat)
+            tiles(n, backward, ROW in self.kinds, self.flat, BCAST in self.kinds, bool(self.chain.rotated))
         layout = self._layout([tuple(x.shape) for x in xs], self._quarter(full, n, cfg[1]))
         return m, n, layout, cfg, triton.cdiv(m, cfg[0]), triton.cdiv(n, cfg[1])
 
