@@ -385,9 +385,9 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     initialised shard by shard. ``seed``: for that initialisation and
     for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).
     """
-    check_compile_options(compile, fuse)
     axes = _mesh_axes(mesh)
     tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
+    check_compile_options(compile, fuse, tp.size)
     pipelined = pp.size > 1 or virtual_stages > 1 or _chunked
     sched = None
     if pipelined:   # check the layout before the (long) transformation

@@ -58,15 +58,17 @@ def all_gather(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
     pg = _group(group_name)
     if pg is None or world == 1:
         return x.contiguous().clone()
-    moved = x.movedim(dim, 0).contiguous()
+    x = x.contiguous()
+    # NCCL gathers whole tensors one after another: [world, *x.shape]. Moving that world
+    # axis next to ``dim`` and merging the two is the one copy a dim > 0 needs (none at 0).
+    out = x.new_empty((world,) + tuple(x.shape))
     if _nccl_like(pg):
-        out = moved.new_empty((world * moved.shape[0],) + moved.shape[1:])
-        dist.all_gather_into_tensor(out, moved, group=pg)
+        dist.all_gather_into_tensor(out, x, group=pg)
     else:
-        parts = [torch.empty_like(moved) for _ in range(world)]
-        dist.all_gather(parts, moved, group=pg)
-        out = torch.cat(parts, 0)
-    return out.movedim(0, dim).contiguous()
+        dist.all_gather(list(out.unbind(0)), x, group=pg)
+    shape = list(x.shape)
+    shape[dim] *= world
+    return out.movedim(0, dim).reshape(shape)
 
 
 @all_gather.register_fake
@@ -81,16 +83,19 @@ def reduce_scatter(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
     pg = _group(group_name)
     if pg is None or world == 1:
         return x.contiguous().clone()
-    moved = x.movedim(dim, 0).contiguous()
-    n = moved.shape[0] // world
+    n = x.shape[dim] // world
+    # [..., world * n, ...] -> [world, ..., n, ...]: each rank's piece becomes one contiguous
+    # block (the one copy a dim > 0 needs), and NCCL's output is already the result
+    pieces = x.reshape(x.shape[:dim] + (world, n) + x.shape[dim + 1:]).movedim(dim, 0).contiguous()
     if _nccl_like(pg):
-        out = moved.new_empty((n,) + moved.shape[1:])
-        dist.reduce_scatter_tensor(out, moved, group=pg)
-    else:   # gloo has no reduce-scatter: all-reduce, keep our slice (CPU tests only)
-        moved = moved.clone()       # movedim/contiguous may have returned x itself: never reduce into the input
-        dist.all_reduce(moved, group=pg)
-        out = moved.narrow(0, dist.get_rank(pg) * n, n)
-    return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
+        out = pieces.new_empty(pieces.shape[1:])
+        dist.reduce_scatter_tensor(out, pieces, group=pg)
+        return out
+    # gloo has no reduce-scatter: all-reduce, keep our piece (CPU tests only); the clone
+    # because contiguous() may have returned x itself: never reduce into the input
+    pieces = pieces.clone()
+    dist.all_reduce(pieces, group=pg)
+    return pieces[dist.get_rank(pg)].clone()
 
 
 @reduce_scatter.register_fake

@@ -54,3 +54,11 @@ def test_the_fused_cross_entropy_stays_one_op_in_the_compiled_graph():
     pm.graph_module.forward = torch.compile(pm.graph_module.forward, backend=record, dynamic=False)
     pm(models.batch("gpt")).backward()
     assert len(graphs) == 1 and "fxmegatron.vocab_ce" in graphs[0] and "amax" not in graphs[0]
+
+
+def test_compile_with_tensor_parallelism_is_refused_with_the_reason():
+    from fxmegatron.inductor import check_compile_options
+    with pytest.raises(CompileError, match=r"tp=2.*did not match"):
+        check_compile_options(True, False, 2)
+    check_compile_options(True, False, 1)          # tp=1: allowed
+    check_compile_options(False, False, 4)         # tp without compile: allowed
