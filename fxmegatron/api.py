@@ -380,7 +380,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     ``fuse``: each run of elementwise ops becomes one generated Triton kernel (forward, and a
     backward that recomputes the run); without CUDA the runs execute as the original ops.
     ``compile``: each rank's graph (or pipeline chunk) goes to torch.compile after the passes
-    (True, or a torch.compile mode string); inductor then generates the kernels.
+    (True, or a torch.compile mode string); inductor then generates the kernels. Refused
+    with tp > 1 for now (see ``fxmegatron.inductor``).
     Weights come from ``state_dict``, else from the model, else (meta model) are
     initialised shard by shard. ``seed``: for that initialisation and
     for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).

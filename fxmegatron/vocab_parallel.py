@@ -4,8 +4,6 @@ Both take the rank's slice of the vocabulary ``[vocab_start, vocab_start + V/t)`
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -32,9 +30,9 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
     """
     out_dtype = logits.dtype
-    from .codegen.triton_kernel import kernels_run
+    from .codegen.triton_kernel import kernels_in_compiled_graph, kernels_run
     # a real GPU tensor, the interpreter, or torch.compile tracing for either (the op stays a call)
-    if kernels_run(logits) or _compiling_for_kernels(logits):
+    if kernels_run(logits) or kernels_in_compiled_graph(logits):
         from .codegen.cross_entropy import fused_vocab_cross_entropy
         loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index)
         return _reduce(loss, target != ignore_index, reduction, out_dtype)
@@ -49,10 +47,6 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     valid = target != ignore_index
     loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
     return _reduce(loss, valid, reduction, out_dtype)
-
-
-def _compiling_for_kernels(x: Tensor) -> bool:
-    return torch.compiler.is_compiling() and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _reduce(loss: Tensor, valid: Tensor, reduction: int, out_dtype) -> Tensor:

@@ -319,6 +319,12 @@ def kernels_run(x: torch.Tensor, interpreter: bool = True) -> bool:
     return x.is_cuda or (interpreter and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def kernels_in_compiled_graph(x: torch.Tensor) -> bool:
+    """Whether torch.compile is tracing ``x`` for a device where kernels run: an op that runs
+    them (the fused cross-entropy) then stays a call in the compiled graph."""
+    return torch.compiler.is_compiling() and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 _CACHE: Dict[str, object] = {}
 
 
