@@ -17,6 +17,8 @@ and every step a recompilation. It runs outside the compiled graph
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
@@ -28,14 +30,10 @@ class CompileError(FxMegatronError, ValueError):
     pass
 
 
-_eager_rng_key = None
-
-
+@functools.lru_cache(maxsize=None)
 def _outside_graph_rng_key():
-    global _eager_rng_key
-    if _eager_rng_key is None:
-        _eager_rng_key = torch._dynamo.disable(rng_key)
-    return _eager_rng_key
+    # made on first use: importing torch._dynamo is not free, and plain runs never need it
+    return torch._dynamo.disable(rng_key)
 
 
 def compile_graph(gm: fx.GraphModule, mode=None) -> fx.GraphModule:

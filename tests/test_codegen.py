@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from fxmegatron.codegen.expr import gelu, lower_nodes  # noqa: E402
 from fxmegatron.codegen.patterns import REFERENCE_CHAINS  # noqa: E402
-from fxmegatron.codegen.triton_kernel import ROW, FusedChain  # noqa: E402
+from fxmegatron.codegen.triton_kernel import FusedChain  # noqa: E402
 
 import fxmegatron  # noqa: E402
 from tests import models  # noqa: E402
