@@ -380,15 +380,14 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     ``fuse``: each run of elementwise ops becomes one generated Triton kernel (forward, and a
     backward that recomputes the run); without CUDA the runs execute as the original ops.
     ``compile``: each rank's graph (or pipeline chunk) goes to torch.compile after the passes
-    (True, or a torch.compile mode string); inductor then generates the kernels. Refused
-    with tp > 1 for now (see ``fxmegatron.inductor``).
+    (True, or a torch.compile mode string); inductor then generates the kernels.
     Weights come from ``state_dict``, else from the model, else (meta model) are
     initialised shard by shard. ``seed``: for that initialisation and
     for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).
     """
     axes = _mesh_axes(mesh)
     tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
-    check_compile_options(compile, fuse, tp.size)
+    check_compile_options(compile, fuse)
     pipelined = pp.size > 1 or virtual_stages > 1 or _chunked
     sched = None
     if pipelined:   # check the layout before the (long) transformation

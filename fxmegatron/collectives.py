@@ -131,7 +131,11 @@ class _SplitSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, rank, world, group_name):
         ctx.args = (dim, world, group_name)
-        return local_shard(x, dim, rank, world).contiguous()
+        # a copy, never a view of x: under torch.compile on CUDA, a Function whose forward
+        # returned a narrow view of its input got a zero gradient (measured 2026-11-21 on two
+        # H200s, dynamo alone included: benchmarks/compile_tp_check.py; the gloo/CPU runs were
+        # right). It was why compile with sequence parallelism trained a frozen wpe.
+        return local_shard(x, dim, rank, world).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx, grad):

@@ -6,9 +6,9 @@ its elementwise and reduction runs around the matmuls. The graph's collectives a
 torch.library ops with fake implementations, so they stay in the compiled graph as
 calls, in the order the passes put them.
 
-Tensor parallelism (tp > 1) with compile is refused for now (``check_compile_options``):
-on NCCL its gradients failed the fp32 check against the unmodified model, while tp=1
-layouts (pipeline, data parallel) passed it.
+Every collective's autograd Function returns a new tensor, never a view of its input:
+under compile on CUDA, sequence parallelism's split (a narrow view) once gave its input a
+zero gradient (``benchmarks/compile_tp_check.py`` finds such a parameter).
 
 One thing cannot be traced: the dropout key. ``rng_key`` reads and advances the
 step counter of ``DropoutRng`` (a Python int); traced, the step would be a constant
@@ -48,15 +48,7 @@ def compile_graph(gm: fx.GraphModule, mode=None) -> fx.GraphModule:
     return gm
 
 
-def check_compile_options(compile, fuse: bool, tp: int = 1):
-    if compile and tp > 1:
-        # measured 2026-11-21 on 4 H200 (NCCL): tp4 and dp2 x tp2 with compile gave a first
-        # gradient norm 2.5% off the plain model's in the fp32 check (benchmarks/end_to_end.py
-        # --check), while the same layouts uncompiled, and compiled on gloo, matched; the
-        # cause is not found yet, so the combination is refused rather than trained wrong
-        raise CompileError(f"parallelize(compile=True) with tensor parallelism (tp={tp}) is refused: on NCCL its "
-                           "gradients did not match the unmodified model's (cause not found yet). Use compile "
-                           "with tp=1 (pipeline and data parallelism), or tp without compile")
+def check_compile_options(compile, fuse: bool):
     if compile and fuse:
         raise CompileError("parallelize(compile=True, fuse=True): choose one. compile hands each rank's graph "
                            "to inductor, which generates its own fused kernels; fuse=True generates "
