@@ -35,19 +35,21 @@ number of processes):
   output is cut to the rank's sequence shard (Megatron's way); each Block is wrapped in
   ``torch.compile``. Attention runs on the local heads (a forward that views
   ``(B, T, -1, head_dim)``: the same math).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile][-nosp][-rsel|-rfull]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile][-nosp][-rsel|-rfull][-fadam]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device. tp > 1 turns sequence parallelism on (``-nosp``: off); ``-vN`` virtual
   stages (interleaved 1F1B); ``-mN`` microbatches (default: --microbatches, 8, when pp > 1,
   else 1); ``-fuse``: generated Triton kernels; ``-compile``: each rank's graph (or
-  pipeline chunk) through torch.compile; ``-rsel``/``-rfull``: recomputation.
+  pipeline chunk) through torch.compile; ``-rsel``/``-rfull``: recomputation; ``-fadam``:
+  fxmegatron's optimizer (``fxmegatron.optim.FusedAdamW``: the same AdamW on fp32 masters in
+  one pass, the clip's scale folded in) instead of the shared one.
 - ``-mN`` on eager/compile/native-tpN: gradient accumulation over N microbatches.
 
 A step = forward + backward (``pm.train_step(ids, labels)`` for fxmegatron), clipping
 to norm 1.0 (``torch.nn.utils.clip_grad_norm_``, which takes DTensor gradients, or
 ``pm.clip_grad_norm_``), and AdamW (lr 1e-4, fused on CUDA) on fp32 master copies of the
 model's parameters (bf16 by default): Megatron's mixed precision, the same class
-(``MasterWeightAdamW``) for every layout.
+(``MasterWeightAdamW``) for every layout but ``-fadam`` ones (the same update, fused).
 
 Measured per layout: --warmup steps, then --steps timed steps (synchronised, a barrier
 before each; a step's time is the slowest rank's), median step time; tokens/s =
@@ -147,6 +149,7 @@ class Layout:
     fuse: bool = False
     compile: bool = False
     recompute: str = "none"
+    fadam: bool = False
 
     @property
     def world(self):
@@ -179,6 +182,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.compile = True
         elif head == "fx" and tok == "nosp":
             lay.sp = False
+        elif head == "fx" and tok == "fadam":
+            lay.fadam = True
         elif head == "fx" and tok in ("rsel", "rfull"):
             lay.recompute = {"rsel": "selective", "rfull": "full"}[tok]
         else:
@@ -266,6 +271,7 @@ class Job:
     fwd_bwd: Callable[[], torch.Tensor]    # forward + backward of the global batch; returns the loss
     clip: Callable[[], object]
     keep: list                             # objects to free after the layout
+    norm: Optional[Callable[[], torch.Tensor]] = None   # the gradient norm without clipping (-fadam)
 
 
 def plain_model(cfg: GPTConfig, dev, dtype) -> GPT:
@@ -363,7 +369,8 @@ def build_fx(lay, cfg, dev, dtype, ids, labels, meshes, ref_state=None, **_):
     pm = fxmegatron.parallelize(model, mesh, (ids, labels), sequence_parallel=lay.sp, recompute=lay.recompute,
                                 microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
                                 compile=lay.compile, state_dict=ref_state)
-    return Job(list(pm.parameters()), lambda: pm.train_step(ids, labels), lambda: pm.clip_grad_norm_(1.0), [pm])
+    return Job(list(pm.parameters()), lambda: pm.train_step(ids, labels), lambda: pm.clip_grad_norm_(1.0), [pm],
+               norm=pm.grad_norm)
 
 
 BUILDERS = {"eager": build_eager, "compile": build_eager, "native": build_native, "fx": build_fx}
@@ -455,15 +462,24 @@ def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    opt = MasterWeightAdamW(job.params, lr=args.lr, fused=dev.type == "cuda")
-
     norms = []
+    if lay.fadam:
+        from fxmegatron.optim import FusedAdamW, clip_coefficient
+        opt = FusedAdamW(job.params, lr=args.lr)      # torch.optim.AdamW's defaults otherwise
 
-    def step():
-        loss = job.fwd_bwd()
-        norms.append(job.clip())   # the gradient norm before clipping
-        opt.step()
-        return loss.detach()
+        def step():
+            loss = job.fwd_bwd()
+            norms.append(job.norm())
+            opt.step(clip_coefficient(norms[-1], 1.0))    # the clip inside the optimizer's pass
+            return loss.detach()
+    else:
+        opt = MasterWeightAdamW(job.params, lr=args.lr, fused=dev.type == "cuda")
+
+        def step():
+            loss = job.fwd_bwd()
+            norms.append(job.clip())   # the gradient norm before clipping
+            opt.step()
+            return loss.detach()
 
     losses = []
     t0 = time.perf_counter()

@@ -227,10 +227,10 @@ class ParallelModel(nn.Module):
             return [1.0 / m] * m
         return [c * self.dp_size / total for c in counts]
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that the norm of the whole (unsplit) model's gradient is at most
-        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the unmodified model would; returns
-        that norm. Collective over tp and pp (every rank must call it)."""
+    def grad_norm(self) -> torch.Tensor:
+        """The norm of the whole (unsplit) model's gradient, as ``torch.nn.utils.clip_grad_norm_``
+        on the unmodified model computes it (fp32, on the device, no host sync). Collective over
+        tp and pp (every rank must call it)."""
         dev = next((p.device for p in self.parameters()), torch.device("cpu"))
         # a gradient held whole by each of the tp ranks, or by several pipeline stages, counts
         # once: its square is divided by its number of holders
@@ -247,9 +247,17 @@ class ParallelModel(nn.Module):
         for dim in ("tp", "pp"):
             if self._axes[dim].size > 1:
                 dist.all_reduce(sq, group=self._axes[dim].group)
-        norm = sq.sqrt()
-        # no host sync (as torch's clip_grad_norm_): scale by min(1, max_norm / norm) on the device
-        coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
+        return sq.sqrt()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that the norm of the whole (unsplit) model's gradient is at most
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the unmodified model would; returns
+        that norm. Collective over tp and pp (every rank must call it). With
+        ``fxmegatron.optim.FusedAdamW``, ``opt.step(clip_coefficient(pm.grad_norm(), max_norm))``
+        does the same without this pass over the gradients."""
+        from .optim import clip_coefficient
+        norm = self.grad_norm()
+        coef = clip_coefficient(norm, max_norm)
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for p in self.parameters():
             if p.grad is not None:

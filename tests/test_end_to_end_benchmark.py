@@ -1,8 +1,8 @@
 """benchmarks/end_to_end.py on CPU (gloo, 2 processes): its --check trains the plain model
 and compares every layout's first two losses and first gradient norm with it (1e-4
 relative), exiting non-zero otherwise: PyTorch-native DTensor TP and fxmegatron tp2+sp
-must both be exact, so the GPU table compares equal programs; compile=True (tp=1) at dp2
-and pp2 as well."""
+must both be exact, so the GPU table compares equal programs; compile=True at tp2 (with
+fxmegatron's FusedAdamW, the clip folded in), dp2 and pp2 as well."""
 import os
 import subprocess
 import sys
@@ -15,7 +15,7 @@ def test_benchmark_layouts_match_the_plain_model():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "benchmarks", "end_to_end.py"), "--tiny", "--device", "cpu", "--dtype", "float32",
            "--check", "--no-profile", "--steps", "1", "--warmup", "1", "--layers", "2",
-           "--layouts", "native-tp2,fx-tp2,fx-pp2-v1-1f1b,fx-dp2-compile,fx-pp2-v1-1f1b-compile"]
+           "--layouts", "native-tp2,fx-tp2,fx-tp2-compile-fadam,fx-dp2-compile,fx-pp2-v1-1f1b-compile"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "check: passed" in out.stdout

@@ -1,0 +1,454 @@
+"""Mixed-precision AdamW in one pass over memory: ``FusedAdamW``.
+
+Megatron's mixed precision keeps the model's parameters in bf16 (or fp16) and the
+optimizer's state in fp32: a master copy of every parameter, the first moment ``m``
+and the second moment ``v``. A step done with stock ops goes over memory five times
+(clip the bf16 gradients, copy them into fp32 buffers, AdamW on the masters, copy
+the masters back). Here one Triton kernel reads, per element, the gradient (in the
+parameter's dtype), the master, ``m`` and ``v``; multiplies the gradient by a
+scale read from a 0-d device tensor (the clip coefficient: no host sync); does the
+AdamW update in fp32, as ``torch.optim.AdamW``::
+
+    g = grad * scale
+    w = w * (1 - lr * wd)                                  # decoupled weight decay
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    w = w - lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)
+
+and writes the master, ``m``, ``v`` and the parameter's own storage (rounded to its
+dtype). 2 + 12 bytes read and 12 + 2 written per bf16 parameter.
+
+Layout. Masters, ``m`` and ``v`` are each one flat fp32 buffer; parameter ``i`` owns
+``[offset_i, offset_i + numel_i)`` of each (offsets rounded up to 64 elements), and
+``masters``/``exp_avgs``/``exp_avg_sqs`` are views of it in the parameter's shape.
+The gradients are separate tensors that autograd allocates, so the kernel is a
+multi-tensor apply: one launch for all parameters of one dtype, each program
+owning a chunk of ``BLOCK * ITERS`` elements of one tensor. It reads its (tensor,
+chunk start) from a table built once on the device, and the addresses of that
+tensor's gradient and parameter from a table of ``data_ptr()``\\ s cast to pointers
+in the kernel. That table is rebuilt on the host each step and copied to the device
+(from pinned memory, non-blocking) only when an address changed; the caching
+allocator usually hands the gradients the same addresses step after step. A
+parameter without a gradient has address 0 there and its programs return at once.
+
+The step count is kept per parameter on the host, as torch does (a parameter
+without a gradient keeps its state and its count), so the bias corrections and
+``lr / (1 - b1**t)`` are computed on the host, in double, and passed as scalars; in
+the rare step where parameters have different counts they travel in the table too.
+
+Where kernels run (``fxmegatron.codegen.triton_kernel.kernels_run``): on CUDA
+tensors, and on CPU ones under ``TRITON_INTERPRET=1``, with the same kernel and the
+same pointer tables (the interpreter loads through ``int64 -> pointer`` casts of CPU
+addresses). Elsewhere (CPU without the interpreter, CUDA tensors under the interpreter,
+which copies tensor arguments to the host and so cannot follow device addresses, or
+while torch.compile traces) the step runs as ``torch.optim.AdamW``'s single-tensor
+code does, with ``torch._foreach_*`` ops on the same fp32 views: CPU training works,
+and matches torch to the last bit there.
+
+Rounding: the kernel divides and takes the square root with IEEE rounding
+(``tl.div_rn``, ``tl.sqrt_rn``), as torch's CUDA kernels do. Triton's interpreter
+(3.9) truncates fp32 -> bf16 casts instead of rounding to nearest even, so under the
+interpreter the kernel rounds bf16 stores itself, with integer ops on the fp32 bits;
+on a GPU the ``.to(bfloat16)`` cast rounds to nearest even.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+_ALIGN = 64          # elements: each parameter's offset in the flat fp32 buffers is a multiple of it
+# (BLOCK, ITERS, num_warps): a program owns BLOCK * ITERS elements of one tensor. Small under the
+# interpreter so that tests with small tensors cross chunk and block boundaries.
+_GPU_CONFIG = (1024, 8, 4)
+_INTERPRET_CONFIG = (128, 2, 1)
+
+_SRC = '''
+@triton.jit
+def _rtne_bf16(x):
+    # fp32 -> bf16 rounded to nearest even on the fp32 bits (the interpreter truncates)
+    u = x.to(tl.uint32, bitcast=True)
+    r = u + (0x7FFF + ((u >> 16) & 1))
+    r = tl.where(x != x, 0x7FC00000, r)
+    return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _adamw_block(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, offs, foffs, n, scale, decay, beta1, omb1, beta2,
+                 omb2, step_size, bc2_sqrt, eps, MASKED: tl.constexpr, RTNE_BF16: tl.constexpr):
+    if MASKED:
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + foffs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + foffs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + foffs, mask=mask, other=0.0)
+    else:
+        g = tl.load(g_ptr + offs).to(tl.float32)
+        w = tl.load(w_ptr + foffs)
+        m = tl.load(m_ptr + foffs)
+        v = tl.load(v_ptr + foffs)
+    g = g * scale
+    w = w * decay
+    m = beta1 * m + omb1 * g
+    v = beta2 * v + omb2 * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    w = w - tl.div_rn(step_size * m, denom)
+    if RTNE_BF16:
+        out = _rtne_bf16(w)
+    else:
+        out = w.to(p_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(w_ptr + foffs, w, mask=mask)
+        tl.store(m_ptr + foffs, m, mask=mask)
+        tl.store(v_ptr + foffs, v, mask=mask)
+        tl.store(p_ptr + offs, out, mask=mask)
+    else:
+        tl.store(w_ptr + foffs, w)
+        tl.store(m_ptr + foffs, m)
+        tl.store(v_ptr + foffs, v)
+        tl.store(p_ptr + offs, out)
+
+
+@triton.jit
+def adamw_multi(chunks_ptr, meta_ptr, addr_ptr, scal_ptr, scale_ptr, w_ptr, m_ptr, v_ptr, ref_ptr,
+                decay, beta1, omb1, beta2, omb2, step_size, bc2_sqrt, eps,
+                HAS_SCALE: tl.constexpr, PER_TENSOR: tl.constexpr,
+                ALIGNED: tl.constexpr, RTNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                ITERS: tl.constexpr):
+    # chunks: [C, 2] int64 (tensor, first element); meta: [T, 2] int64 (flat offset, numel);
+    # addr: [T, 2] int64 (gradient address, 0 if none; parameter address);
+    # scal: [T, 2] fp32 (lr / bc1, sqrt(bc2)) when PER_TENSOR; ref: any tensor of the parameters'
+    # dtype, whose pointer type the addresses are cast to
+    pid = tl.program_id(0)
+    t = tl.load(chunks_ptr + 2 * pid)
+    ga = tl.load(addr_ptr + 2 * t)
+    if ga != 0:
+        start = tl.load(chunks_ptr + 2 * pid + 1)
+        g_ptr = ga.to(ref_ptr.dtype)
+        p_ptr = tl.load(addr_ptr + 2 * t + 1).to(ref_ptr.dtype)
+        base = tl.load(meta_ptr + 2 * t)
+        n = tl.load(meta_ptr + 2 * t + 1)
+        if ALIGNED:   # every address 16-byte aligned, chunk starts and offsets multiples of 16
+            g_ptr = tl.multiple_of(g_ptr, 16)
+            p_ptr = tl.multiple_of(p_ptr, 16)
+            start = tl.multiple_of(start, 16)
+            base = tl.multiple_of(base, 16)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr)
+        else:
+            scale = 1.0
+        if PER_TENSOR:
+            step_size = tl.load(scal_ptr + 2 * t)
+            bc2_sqrt = tl.load(scal_ptr + 2 * t + 1)
+        if start + BLOCK * ITERS <= n:     # a whole chunk: no masks, vector loads
+            for i in range(ITERS):
+                offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                _adamw_block(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, offs, base + offs, n, scale, decay, beta1,
+                             omb1, beta2, omb2, step_size, bc2_sqrt, eps, False, RTNE_BF16)
+        else:
+            for i in range(ITERS):
+                offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                _adamw_block(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, offs, base + offs, n, scale, decay, beta1,
+                             omb1, beta2, omb2, step_size, bc2_sqrt, eps, True, RTNE_BF16)
+'''
+
+
+def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / (norm + 1e-6))`` on the device (no host sync), the factor
+    ``torch.nn.utils.clip_grad_norm_`` scales the gradients by: ``FusedAdamW.step``'s
+    ``grad_scale`` for clipping inside the optimizer's pass."""
+    return (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
+
+
+def _kernel():
+    from .codegen.triton_kernel import compile_source
+    return compile_source(_SRC, "adamw_multi")
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:      # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's shard on this rank; a plain tensor itself."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Group:
+    """The parameters of one dtype: one kernel launch."""
+
+    def __init__(self, dtype: torch.dtype, members: List[int]):
+        self.dtype, self.members = dtype, members
+        self.chunks: Optional[Tensor] = None     # device tables, built at the first kernel step
+        self.meta: Optional[Tensor] = None
+        self.nchunks = 0
+        self.key = None                          # what the device address table holds
+        self.table: Optional[Tensor] = None
+
+
+class FusedAdamW:
+    """AdamW on fp32 master copies of ``params``, one fused pass per step (module docstring).
+
+    ``params``: tensors (``nn.Parameter``\\ s; DTensors are updated through their local
+    shards), in float32, bfloat16 or float16, all on one device; those with
+    ``requires_grad=False`` are left out. The optimizer keeps an fp32 master copy of every
+    parameter (fp32 ones too), and ``m`` and ``v``: ``masters``, ``exp_avgs`` and
+    ``exp_avg_sqs`` are fp32 views in the parameters' shapes; ``steps`` the per-parameter step
+    counts. ``lr``, ``betas``, ``eps`` and ``weight_decay`` are attributes, read at each step
+    (a schedule may set ``opt.lr``).
+
+    ``step(grad_scale)`` multiplies every gradient by ``grad_scale`` (a 0-d tensor on the
+    parameters' device, e.g. the clip coefficient ``min(1, max_norm / (norm + 1e-6))``; a
+    Python number is accepted too), updates the masters and writes them, rounded, into the
+    parameters. Parameters whose ``.grad`` is None are skipped: their state and step count
+    are left as they are, as torch does. With ``set_grads_to_none`` (default) the step then
+    sets every parameter's ``.grad`` to None, which frees the gradients for the next
+    backward.
+
+    The parameters' values are read once, here: after changing them outside the optimizer
+    (loading a checkpoint), call ``reload_masters()``."""
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, set_grads_to_none: bool = True):
+        if isinstance(params, Tensor):
+            raise TypeError("params must be an iterable of tensors, not a tensor")
+        if not 0.0 <= lr:
+            raise ValueError(f"invalid learning rate {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+        if not 0.0 <= eps:
+            raise ValueError(f"invalid eps {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"invalid weight_decay {weight_decay}")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.set_grads_to_none = set_grads_to_none
+
+        self.params: List[Tensor] = []
+        seen, device, first = set(), None, None
+        for i, p in enumerate(params):
+            if isinstance(p, dict):
+                raise ValueError("FusedAdamW takes one list of tensors: parameter groups are not supported")
+            if not isinstance(p, Tensor):
+                raise ValueError(f"parameter {i} is a {type(p).__name__}, not a tensor")
+            if not p.dtype.is_floating_point:    # checked first: such a tensor cannot require grad
+                raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW needs floating-point "
+                                 f"parameters ({', '.join(map(str, _DTYPES))})")
+            if not p.requires_grad:
+                continue
+            if id(p) in seen:
+                raise ValueError(f"parameter {i} appears more than once")
+            seen.add(id(p))
+            if p.dtype not in _DTYPES:
+                raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW supports "
+                                 f"{', '.join(map(str, _DTYPES))}")
+            loc = _local(p)
+            if device is None:
+                device, first = loc.device, i
+            elif loc.device != device:
+                raise ValueError(f"parameter {i} is on {loc.device} but parameter {first} on {device}: "
+                                 "FusedAdamW needs all parameters on one device")
+            if not loc.is_contiguous():
+                raise ValueError(f"parameter {i} (shape {tuple(loc.shape)}, stride {loc.stride()}) is not "
+                                 "contiguous: FusedAdamW updates the parameters' storage as flat arrays")
+            self.params.append(p)
+        if not self.params:
+            raise ValueError("FusedAdamW got an empty parameter list")
+        self.device = device
+
+        data = [_local(p.detach()) for p in self.params]
+        self.shapes = [tuple(d.shape) for d in data]
+        self.numels = [d.numel() for d in data]
+        self.offsets, total = [], 0
+        for n in self.numels:
+            self.offsets.append(total)
+            total += -(-n // _ALIGN) * _ALIGN
+        self._w = torch.zeros(total, dtype=torch.float32, device=device)
+        self._m = torch.zeros_like(self._w)
+        self._v = torch.zeros_like(self._w)
+        view = lambda buf, i: buf[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
+        self.masters = [view(self._w, i) for i in range(len(self.params))]
+        self.exp_avgs = [view(self._m, i) for i in range(len(self.params))]
+        self.exp_avg_sqs = [view(self._v, i) for i in range(len(self.params))]
+        self.steps = [0] * len(self.params)
+        self.reload_masters()
+
+        groups: Dict[torch.dtype, List[int]] = {}
+        for i, p in enumerate(self.params):
+            groups.setdefault(p.dtype, []).append(i)
+        self._groups = [_Group(dt, idx) for dt, idx in groups.items()]
+
+    # ---- public helpers ----------------------------------------------------------------------
+    @torch.no_grad()
+    def reload_masters(self) -> None:
+        """Copy the parameters' current values into the fp32 masters."""
+        torch._foreach_copy_(self.masters, [_local(p.detach()) for p in self.params])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @property
+    def state(self) -> Dict[Tensor, dict]:
+        """Per parameter: {"step", "exp_avg", "exp_avg_sq", "master"} (views; not a copy)."""
+        return {p: {"step": self.steps[i], "exp_avg": self.exp_avgs[i], "exp_avg_sq": self.exp_avg_sqs[i],
+                    "master": self.masters[i]} for i, p in enumerate(self.params)}
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _grad(self, i: int) -> Optional[Tensor]:
+        """Parameter i's gradient as a plain tensor in the parameter's layout, or None."""
+        p = self.params[i]
+        g = p.grad
+        if g is None:
+            return None
+        if _is_dtensor(g):
+            if tuple(g.placements) != tuple(p.placements):   # e.g. a Partial gradient of a Replicate weight
+                g = g.redistribute(p.device_mesh, p.placements)
+            g = g.to_local()
+        if g.layout != torch.strided:
+            raise ValueError(f"parameter {i} has a {g.layout} gradient: FusedAdamW needs dense gradients")
+        if tuple(g.shape) != self.shapes[i] or g.dtype != p.dtype or g.device != self.device:
+            raise ValueError(f"parameter {i}'s gradient is {g.dtype}{list(g.shape)} on {g.device}; expected "
+                             f"{p.dtype}{list(self.shapes[i])} on {self.device}")
+        return g if g.is_contiguous() else g.contiguous()
+
+    def _hyper(self, step: int) -> Tuple[float, float]:
+        """(lr / (1 - b1**step), sqrt(1 - b2**step)), as torch computes them (double)."""
+        b1, b2 = self.betas
+        return self.lr / (1 - b1 ** step), (1 - b2 ** step) ** 0.5
+
+    @torch.no_grad()
+    def step(self, grad_scale: Union[Tensor, float, None] = None,
+             set_grads_to_none: Optional[bool] = None) -> None:
+        grads = [self._grad(i) for i in range(len(self.params))]
+        live = [i for i, g in enumerate(grads) if g is not None]
+        if live:
+            for i in live:
+                self.steps[i] += 1
+            if grad_scale is not None and not isinstance(grad_scale, Tensor):
+                grad_scale = torch.full((), float(grad_scale), dtype=torch.float32, device=self.device)
+            if grad_scale is not None:
+                if grad_scale.numel() != 1:
+                    raise ValueError(f"grad_scale must hold one number, got shape {tuple(grad_scale.shape)}")
+                grad_scale = grad_scale.detach().reshape(()).to(device=self.device, dtype=torch.float32)
+            if self._kernels_run():
+                self._kernel_step(grads, grad_scale)
+            else:
+                self._torch_step(grads, live, grad_scale)
+        if self.set_grads_to_none if set_grads_to_none is None else set_grads_to_none:
+            for p in self.params:
+                p.grad = None
+
+    def _kernels_run(self) -> bool:
+        """Whether the step runs the kernel: ``kernels_run`` on the flat buffers, except CUDA tensors
+        under ``TRITON_INTERPRET=1``: the interpreter copies tensor arguments to the host, so the
+        device addresses in the pointer table would be read on the host."""
+        import os
+
+        from .codegen.triton_kernel import kernels_run
+        if self._w.is_cuda and os.environ.get("TRITON_INTERPRET") == "1":
+            return False
+        return kernels_run(self._w)
+
+    def _torch_step(self, grads: List[Optional[Tensor]], live: List[int], grad_scale: Optional[Tensor]) -> None:
+        """``torch.optim.AdamW``'s single-tensor step (non-capturable), over foreach lists."""
+        b1, b2 = self.betas
+        by_step: Dict[int, List[int]] = {}
+        for i in live:
+            by_step.setdefault(self.steps[i], []).append(i)
+        for step, idx in by_step.items():
+            g = [grads[i].to(torch.float32, copy=True) for i in idx]
+            if grad_scale is not None:
+                torch._foreach_mul_(g, grad_scale)
+            w = [self.masters[i] for i in idx]
+            m = [self.exp_avgs[i] for i in idx]
+            v = [self.exp_avg_sqs[i] for i in idx]
+            if self.weight_decay != 0:
+                torch._foreach_mul_(w, 1 - self.lr * self.weight_decay)
+            torch._foreach_lerp_(m, g, 1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, g, g, value=1 - b2)
+            step_size, bc2_sqrt = self._hyper(step)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, self.eps)
+            torch._foreach_addcdiv_(w, m, denom, value=-step_size)
+            torch._foreach_copy_([_local(self.params[i].detach()) for i in idx], w)
+
+    def _tables(self, grp: _Group) -> None:
+        """The fixed device tables of ``grp``: chunks (tensor, start) and meta (offset, numel)."""
+        block, iters, _ = self._config()
+        chunk = block * iters
+        rows = [(k, s) for k, i in enumerate(grp.members) for s in range(0, self.numels[i], chunk)]
+        grp.nchunks = len(rows)
+        grp.chunks = torch.tensor(rows if rows else [(0, 0)], dtype=torch.int64).to(self.device)
+        grp.meta = torch.tensor([(self.offsets[i], self.numels[i]) for i in grp.members],
+                                dtype=torch.int64).to(self.device)
+
+    def _config(self) -> Tuple[int, int, int]:
+        return _GPU_CONFIG if self.device.type == "cuda" else _INTERPRET_CONFIG
+
+    def _kernel_step(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor]) -> None:
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):      # Triton launches on the current device
+                self._launch(grads, grad_scale)
+        else:
+            self._launch(grads, grad_scale)
+
+    def _launch(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor]) -> None:
+        kernel = _kernel()
+        block, iters, warps = self._config()
+        interpret = self.device.type != "cuda"       # a CPU tensor runs the kernel only in the interpreter
+        b1, b2 = self.betas
+        for grp in self._groups:
+            live = [i for i in grp.members if grads[i] is not None]
+            if not live:
+                continue
+            if grp.chunks is None:
+                self._tables(grp)
+            if grp.nchunks == 0:
+                continue
+            addrs: List[int] = []
+            for i in grp.members:
+                g = grads[i]
+                addrs.append(g.data_ptr() if g is not None and g.numel() else 0)
+                addrs.append(_local(self.params[i]).data_ptr())
+            counts = {self.steps[i] for i in live}
+            per_tensor = len(counts) > 1
+            if per_tensor:
+                scal = [x for i in grp.members for x in (self._hyper(self.steps[i]) if grads[i] is not None
+                                                         else (0.0, 1.0))]
+                step_size, bc2_sqrt = 0.0, 1.0
+            else:
+                scal = None
+                step_size, bc2_sqrt = self._hyper(counts.pop())
+            key = (tuple(addrs), None if scal is None else tuple(scal))
+            if key != grp.key:
+                t = len(grp.members)
+                cuda = self.device.type == "cuda"
+                host = torch.zeros(3 * t, dtype=torch.int64, pin_memory=cuda)
+                host[:2 * t] = torch.tensor(addrs, dtype=torch.int64)
+                if scal is not None:
+                    host[2 * t:].view(torch.float32).copy_(torch.tensor(scal, dtype=torch.float32))
+                grp.table = host.to(self.device, non_blocking=True) if cuda else host
+                grp.key = key
+            t = len(grp.members)
+            aligned = not any(a & 15 for a in addrs)
+            kernel[(grp.nchunks,)](
+                grp.chunks, grp.meta, grp.table, grp.table[2 * t:].view(torch.float32),
+                grad_scale if grad_scale is not None else self._w, self._w, self._m, self._v,
+                _local(self.params[grp.members[0]].detach()),
+                1 - self.lr * self.weight_decay, b1, 1 - b1, b2, 1 - b2, step_size, bc2_sqrt, self.eps,
+                HAS_SCALE=grad_scale is not None, PER_TENSOR=per_tensor,
+                ALIGNED=aligned, RTNE_BF16=interpret and grp.dtype == torch.bfloat16,
+                BLOCK=block, ITERS=iters, num_warps=warps)
