@@ -1,0 +1,63 @@
+"""The GPU kernels of a chrome trace (``end_to_end.py --profile-dir``), summed by name.
+
+    python benchmarks/trace_kernels.py TRACE.json [--top 30]
+
+Prints each kernel name's total time, count and share of all kernel time, largest first,
+then the totals by class (matmul, attention, communication, other): what a step spends
+its GPU time on, to see what holds a layout back.
+"""
+import argparse
+import collections
+import gzip
+import json
+import os
+import sys
+
+CLASSES = (  # first match wins; lower-case substrings of kernel names
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "cublas", "sm90_xmma", "wgmma")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),      # the gradient norm included
+    ("generated (Triton)", ("triton",)),
+)
+
+
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    return next((c for c, keys in CLASSES if any(k in n for k in keys)), "other (ATen)")
+
+
+def load(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    events = load(args.trace)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    total = collections.Counter()
+    count = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            total[e["name"]] += e.get("dur", 0.0)
+            count[e["name"]] += 1
+    every = sum(total.values())
+    if not every:
+        sys.exit(f"{args.trace}: no kernel events")
+    print(f"{'ms':>8s} {'share':>6s} {'count':>6s}  kernel")
+    for name, us in total.most_common(args.top):
+        print(f"{us / 1e3:8.2f} {us / every:6.1%} {count[name]:6d}  {name[:110]}")
+    by_class = collections.Counter()
+    for name, us in total.items():
+        by_class[kernel_class(name)] += us
+    print(f"\nall kernels {every / 1e3:.2f} ms: " +
+          ", ".join(f"{k} {v / 1e3:.2f} ms ({v / every:.0%})" for k, v in by_class.most_common()))
+
+
+if __name__ == "__main__":
+    main()
