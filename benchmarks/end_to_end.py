@@ -35,14 +35,16 @@ number of processes):
   output is cut to the rank's sequence shard (Megatron's way); each Block is wrapped in
   ``torch.compile``. Attention runs on the local heads (a forward that views
   ``(B, T, -1, head_dim)``: the same math).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile][-nosp][-rsel|-rfull][-fadam]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile][-nosp][-rsel|-rfull][-fadam][-ovN]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device. tp > 1 turns sequence parallelism on (``-nosp``: off); ``-vN`` virtual
   stages (interleaved 1F1B); ``-mN`` microbatches (default: --microbatches, 8, when pp > 1,
   else 1); ``-fuse``: generated Triton kernels; ``-compile``: each rank's graph (or
   pipeline chunk) through torch.compile; ``-rsel``/``-rfull``: recomputation; ``-fadam``:
   fxmegatron's optimizer (``fxmegatron.optim.FusedAdamW``: the same AdamW on fp32 masters in
-  one pass, the clip's scale folded in) instead of the shared one.
+  one pass, the clip's scale folded in) instead of the shared one; ``-ovN``: sequence
+  parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
+  (``tp_comm_overlap=N``).
 - ``-mN`` on eager/compile/native-tpN: gradient accumulation over N microbatches.
 
 A step = forward + backward (``pm.train_step(ids, labels)`` for fxmegatron), clipping
@@ -150,6 +152,7 @@ class Layout:
     compile: bool = False
     recompute: str = "none"
     fadam: bool = False
+    overlap: int = 0
 
     @property
     def world(self):
@@ -165,13 +168,15 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
     lay = Layout(name, head)
     m = None
     for tok in tokens:
-        num = re.fullmatch(r"(tp|pp|dp|v|m)(\d+)", tok)
+        num = re.fullmatch(r"(tp|pp|dp|v|m|ov)(\d+)", tok)
         if num and (head == "fx" or num.group(1) in ("tp", "m") and (head == "native" or num.group(1) == "m")):
             key, val = num.group(1), int(num.group(2))
             if val < 1:
                 raise ValueError(f"layout {name!r}: {tok} must be >= 1")
             if key == "m":
                 m = val
+            elif key == "ov":
+                lay.overlap = val
             else:
                 setattr(lay, key, val)
         elif head == "fx" and tok in ("1f1b", "gpipe", "interleaved"):
@@ -368,7 +373,7 @@ def build_fx(lay, cfg, dev, dtype, ids, labels, meshes, ref_state=None, **_):
         model = GPT(cfg).to(dtype)
     pm = fxmegatron.parallelize(model, mesh, (ids, labels), sequence_parallel=lay.sp, recompute=lay.recompute,
                                 microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
-                                compile=lay.compile, state_dict=ref_state)
+                                compile=lay.compile, tp_comm_overlap=lay.overlap, state_dict=ref_state)
     return Job(list(pm.parameters()), lambda: pm.train_step(ids, labels), lambda: pm.clip_grad_norm_(1.0), [pm],
                norm=pm.grad_norm)
 

@@ -102,3 +102,10 @@ def test_batch_structure_mismatch():
     pm = fxmegatron.parallelize(_gpt(), None, _batch())
     with pytest.raises(TypeError, match="batch structure"):
         pm({"tokens": _batch()[0]})
+
+
+def test_tp_comm_overlap_needs_sequence_parallelism():
+    with pytest.raises(ShardingError, match=r"tp_comm_overlap=2.*needs sequence_parallel=True"):
+        fxmegatron.parallelize(_gpt(), None, _batch(), tp_comm_overlap=2)
+    with pytest.raises(ShardingError, match=r"tp_comm_overlap=-1.*>= 0"):
+        fxmegatron.parallelize(_gpt(), None, _batch(), sequence_parallel=True, tp_comm_overlap=-1)

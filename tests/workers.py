@@ -47,7 +47,10 @@ def tp_parity(rank, world, names, steps=3, parallel_kwargs=None):
                     grad_err[n] = rel_err(full[n], p.grad, scale) if n in full else float("inf")
             opt_ref.step(); opt_ref.zero_grad()
             opt.step(); opt.zero_grad()
-        out[name] = {"losses_ref": losses_ref, "losses": losses, "grad_err": grad_err,
+        from fxmegatron.overlapped_linear import gathered_linears, scattered_linear
+        merged = [n.target.__name__ for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+                  for n in m.graph.nodes if n.op == "call_function" and n.target in (gathered_linears, scattered_linear)]
+        out[name] = {"losses_ref": losses_ref, "losses": losses, "grad_err": grad_err, "merged": merged,
                      "n_local": sum(p.numel() for p in pm.parameters()),
                      "n_full": sum(p.numel() for p in ref.parameters())}
     return out

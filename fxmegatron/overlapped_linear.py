@@ -1,0 +1,270 @@
+"""Sequence parallelism's collectives overlapped with the matmuls next to them.
+
+Under sequence parallelism every column-parallel linear reads an all-gathered input
+and every row-parallel linear's output is reduce-scattered; run one after the other,
+the collectives leave the GPU's matmul units idle (a quarter of a tp4 step on four
+H200s: docs/PERFORMANCE.md). Here each pair runs as one op cut into ``chunks`` pieces
+along the batch (dim 0; the sequence, the dim communicated, is another):
+
+* ``all_gather_linears(x, Ws, bs)`` = ``[linear(all_gather(x), W, b) for W, b]``: every
+  chunk's all-gather is queued at once (``async_op``: NCCL runs them on its own stream,
+  in order); the matmuls of chunk c wait only for chunk c's gather, so they run while
+  chunk c+1 is being gathered. Backward: each chunk's input gradient Σ dY·W is
+  reduce-scattered while the next chunk's is computed; the weight gradients, one
+  matmul each over the whole batch, run under the last reduce-scatters.
+* ``linear_reduce_scatter(y, W)`` = ``reduce_scatter(linear(y, W))``: chunk c's
+  reduce-scatter runs while chunk c+1's matmul does. Backward: the all-gathers of the
+  output gradient's chunks are queued at once, and each chunk's input gradient is
+  computed as soon as its gather lands.
+
+The math is the unchunked one (the same products, summed in the same order per
+element), so results match the plain collectives up to matmul tiling. Each op is a
+``torch.library`` custom op with an autograd formula, so torch.compile keeps it as a
+call. With one chunk, a gather dim of 0, or a batch not divisible by ``chunks``, the
+same code runs unchunked. Every rank of the group must use the same ``chunks``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .collectives import _group, _nccl_like
+
+
+def _chunks(x: Tensor, dim: int, chunks: int) -> int:
+    """How many batch pieces ``x`` (gathered or scattered along ``dim``) is cut into."""
+    if dim == 0 or chunks <= 1 or x.shape[0] % chunks:
+        return 1
+    return chunks
+
+
+def _gather_async(piece: Tensor, world: int, pg):
+    """Start gathering ``piece`` from every rank into [world, *piece.shape]; (buffer, work)."""
+    out = piece.new_empty((world,) + tuple(piece.shape))
+    if _nccl_like(pg):
+        return out, dist.all_gather_into_tensor(out, piece, group=pg, async_op=True)
+    return out, dist.all_gather(list(out.unbind(0)), piece, group=pg, async_op=True)
+
+
+def _place_gathered(dst: Tensor, buf: Tensor, dim: int, world: int) -> None:
+    """[world, ..., n, ...] -> ``dst`` [..., world * n, ...] (one copy)."""
+    dst.unflatten(dim, (world, dst.shape[dim] // world)).copy_(buf.movedim(0, dim))
+
+
+def _scatter_async(full: Tensor, out: Tensor, dim: int, world: int, pg):
+    """Start reduce-scattering ``full`` along ``dim`` into ``out``; returns a wait function."""
+    n = full.shape[dim] // world
+    pieces = full.unflatten(dim, (world, n)).movedim(dim, 0).contiguous()
+    if _nccl_like(pg):
+        work = dist.reduce_scatter_tensor(out, pieces, group=pg, async_op=True)
+        return work.wait
+    # gloo has no reduce-scatter: all-reduce, keep this rank's piece (CPU tests)
+    work = dist.all_reduce(pieces, group=pg, async_op=True)
+
+    def wait():
+        work.wait()
+        out.copy_(pieces[dist.get_rank(pg)])
+    return wait
+
+
+def _mm_into(out2d: Tensor, a2d: Tensor, w: Tensor, bias: Optional[Tensor]) -> None:
+    """out = a @ w.T (+ bias), written in place."""
+    if bias is None:
+        torch.mm(a2d, w.t(), out=out2d)
+    else:
+        torch.addmm(bias, a2d, w.t(), out=out2d)
+
+
+# ---- all-gather, then column-parallel linears -------------------------------------------------
+@torch.library.custom_op("fxmegatron::all_gather_linears", mutates_args=())
+def all_gather_linears(x: Tensor, weights: List[Tensor], biases: List[Tensor], has_bias: List[bool], dim: int,
+                       world: int, group_name: str, chunks: int) -> List[Tensor]:
+    """[gathered x] + [linear(gathered x, W, b) for each weight]; ``biases`` holds the biases
+    of the weights whose ``has_bias`` is true, in order."""
+    pg = _group(group_name)
+    it = iter(biases)
+    biases = [next(it) if hb else None for hb in has_bias]
+    shape = list(x.shape)
+    shape[dim] *= world
+    gathered = x.new_empty(shape)
+    outs = [x.new_empty(shape[:-1] + [w.shape[0]]) for w in weights]
+    k = _chunks(x, dim, chunks)
+    if pg is None or world == 1:
+        gathered.copy_(x)
+        pending = [None] * k
+    else:
+        pending = [_gather_async(p.contiguous(), world, pg) for p in x.chunk(k)]
+    rows = shape[0] // k
+    for c, job in enumerate(pending):
+        g = gathered.narrow(0, c * rows, rows)
+        if job is not None:
+            buf, work = job
+            work.wait()
+            _place_gathered(g, buf, dim, world)
+        g2 = g.reshape(-1, shape[-1])
+        for w, b, o in zip(weights, biases, outs):
+            _mm_into(o.narrow(0, c * rows, rows).view(-1, w.shape[0]), g2, w, b)
+    return [gathered] + outs
+
+
+@all_gather_linears.register_fake
+def _(x, weights, biases, has_bias, dim, world, group_name, chunks):
+    shape = list(x.shape)
+    shape[dim] *= world
+    return [x.new_empty(shape)] + [x.new_empty(shape[:-1] + [w.shape[0]]) for w in weights]
+
+
+@torch.library.custom_op("fxmegatron::all_gather_linears_backward", mutates_args=())
+def all_gather_linears_backward(grads: List[Tensor], gathered: Tensor, weights: List[Tensor], has_bias: List[bool],
+                                dim: int, world: int, group_name: str, chunks: int) -> List[Tensor]:
+    """[dx (this rank's sequence piece)] + [dW for each weight] + [db for each weight with a bias]."""
+    pg = _group(group_name)
+    full = list(gathered.shape)
+    shape = list(full)
+    shape[dim] //= world
+    dx = gathered.new_empty(shape)
+    k = _chunks(dx, dim, chunks)
+    rows = full[0] // k
+    waits = []
+    for c in range(k):
+        dg = gathered.new_empty([rows] + full[1:])
+        dg2 = dg.view(-1, full[-1])
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            g2 = g.narrow(0, c * rows, rows).reshape(-1, w.shape[0])
+            if i == 0:
+                torch.mm(g2, w, out=dg2)
+            else:
+                dg2.addmm_(g2, w)
+        out = dx.narrow(0, c * rows, rows)
+        if pg is None or world == 1:
+            out.copy_(dg)
+        else:
+            waits.append(_scatter_async(dg, out, dim, world, pg))
+    x2 = gathered.reshape(-1, full[-1])
+    dws = [g.reshape(-1, w.shape[0]).t().mm(x2) for g, w in zip(grads, weights)]
+    dbs = [g.reshape(-1, g.shape[-1]).sum(0) for g, hb in zip(grads, has_bias) if hb]
+    for wait in waits:
+        wait()
+    return [dx] + dws + dbs
+
+
+@all_gather_linears_backward.register_fake
+def _(grads, gathered, weights, has_bias, dim, world, group_name, chunks):
+    shape = list(gathered.shape)
+    shape[dim] //= world
+    return [gathered.new_empty(shape)] + [w.new_empty(w.shape) for w in weights] + \
+        [g.new_empty(g.shape[-1:]) for g, hb in zip(grads, has_bias) if hb]
+
+
+def _agl_setup(ctx, inputs, output):
+    x, weights, biases, has_bias, dim, world, group_name, chunks = inputs
+    ctx.save_for_backward(output[0], *weights)
+    ctx.args = (list(has_bias), dim, world, group_name, chunks, len(weights))
+
+
+def _agl_backward(ctx, grads):
+    gathered, *weights = ctx.saved_tensors
+    has_bias, dim, world, group_name, chunks, n = ctx.args
+    out_shape = list(gathered.shape[:-1])
+    gs = [gathered.new_zeros(out_shape + [w.shape[0]]) if g is None else g.contiguous()
+          for g, w in zip(grads[1:], weights)]     # an output the loss does not use
+    res = all_gather_linears_backward(gs, gathered, list(weights), has_bias, dim, world, group_name, chunks)
+    return res[0], res[1:1 + n], res[1 + n:], None, None, None, None, None
+
+
+all_gather_linears.register_autograd(_agl_backward, setup_context=_agl_setup)
+
+
+# ---- row-parallel linear, then reduce-scatter -------------------------------------------------
+@torch.library.custom_op("fxmegatron::linear_reduce_scatter", mutates_args=())
+def linear_reduce_scatter(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int) -> Tensor:
+    """reduce_scatter(y @ weight.T) along ``dim``."""
+    pg = _group(group_name)
+    full = list(y.shape[:-1]) + [weight.shape[0]]
+    shape = list(full)
+    shape[dim] //= world
+    out = y.new_empty(shape)
+    k = _chunks(out, dim, chunks)
+    rows = full[0] // k
+    waits = []
+    for c in range(k):
+        part = y.new_empty([rows] + full[1:])
+        _mm_into(part.view(-1, full[-1]), y.narrow(0, c * rows, rows).reshape(-1, y.shape[-1]), weight, None)
+        piece = out.narrow(0, c * rows, rows)
+        if pg is None or world == 1:
+            piece.copy_(part)
+        else:
+            waits.append(_scatter_async(part, piece, dim, world, pg))
+    for wait in waits:
+        wait()
+    return out
+
+
+@linear_reduce_scatter.register_fake
+def _(y, weight, dim, world, group_name, chunks):
+    shape = list(y.shape[:-1]) + [weight.shape[0]]
+    shape[dim] //= world
+    return y.new_empty(shape)
+
+
+@torch.library.custom_op("fxmegatron::linear_reduce_scatter_backward", mutates_args=())
+def linear_reduce_scatter_backward(grad: Tensor, y: Tensor, weight: Tensor, dim: int, world: int, group_name: str,
+                                   chunks: int) -> Tuple[Tensor, Tensor]:
+    """(dy, dW): the output gradient all-gathered chunk by chunk, each chunk's dy computed
+    as soon as its gather lands; dW in one matmul over the whole gathered gradient."""
+    pg = _group(group_name)
+    full = list(grad.shape)
+    full[dim] *= world
+    gathered = grad.new_empty(full)
+    dy = y.new_empty(y.shape)
+    k = _chunks(grad, dim, chunks)
+    if pg is None or world == 1:
+        gathered.copy_(grad)
+        pending = [None] * k
+    else:
+        pending = [_gather_async(p.contiguous(), world, pg) for p in grad.chunk(k)]
+    rows = full[0] // k
+    for c, job in enumerate(pending):
+        g = gathered.narrow(0, c * rows, rows)
+        if job is not None:
+            buf, work = job
+            work.wait()
+            _place_gathered(g, buf, dim, world)
+        torch.mm(g.reshape(-1, full[-1]), weight, out=dy.narrow(0, c * rows, rows).view(-1, y.shape[-1]))
+    dw = gathered.reshape(-1, full[-1]).t().mm(y.reshape(-1, y.shape[-1]))
+    return dy, dw
+
+
+@linear_reduce_scatter_backward.register_fake
+def _(grad, y, weight, dim, world, group_name, chunks):
+    return y.new_empty(y.shape), weight.new_empty(weight.shape)
+
+
+def _lrs_setup(ctx, inputs, output):
+    y, weight, dim, world, group_name, chunks = inputs
+    ctx.save_for_backward(y, weight)
+    ctx.args = (dim, world, group_name, chunks)
+
+
+def _lrs_backward(ctx, grad):
+    y, weight = ctx.saved_tensors
+    dy, dw = linear_reduce_scatter_backward(grad.contiguous(), y, weight, *ctx.args)
+    return dy, dw, None, None, None, None
+
+
+linear_reduce_scatter.register_autograd(_lrs_backward, setup_context=_lrs_setup)
+
+
+def gathered_linears(x: Tensor, weights: List[Tensor], biases: List[Optional[Tensor]], dim: int, world: int,
+                     group_name: str, chunks: int) -> List[Tensor]:
+    """The graph's call: the linears' outputs (the gathered input stays inside)."""
+    return all_gather_linears(x.contiguous(), list(weights), [b for b in biases if b is not None],
+                              [b is not None for b in biases], dim, world, group_name, chunks)[1:]
+
+
+def scattered_linear(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int) -> Tensor:
+    """The graph's call: reduce_scatter(linear(y, weight)) along ``dim``."""
+    return linear_reduce_scatter(y.contiguous(), weight, dim, world, group_name, chunks)
