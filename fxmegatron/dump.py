@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from .capture import module_path
 from .collectives import COLLECTIVES
+from .overlapped_linear import OVERLAPPED_COLLECTIVES
 from .vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
 
 
@@ -20,6 +21,8 @@ def collective_nodes(gm: fx.GraphModule):
             continue
         if n.target in COLLECTIVES:
             out.append((n, COLLECTIVES[n.target][0]))
+        elif n.target in OVERLAPPED_COLLECTIVES:
+            out.append((n, OVERLAPPED_COLLECTIVES[n.target][0]))
         elif n.target in VOCAB_PARALLEL_COLLECTIVES:
             out.append((n, "vocab_parallel_cross_entropy[" + ",".join(VOCAB_PARALLEL_COLLECTIVES[n.target]) + "]"))
     return out

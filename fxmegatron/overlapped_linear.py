@@ -268,3 +268,12 @@ def gathered_linears(x: Tensor, weights: List[Tensor], biases: List[Optional[Ten
 def scattered_linear(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int) -> Tensor:
     """The graph's call: reduce_scatter(linear(y, weight)) along ``dim``."""
     return linear_reduce_scatter(y.contiguous(), weight, dim, world, group_name, chunks)
+
+
+# What each merged graph function communicates, for the dump.
+OVERLAPPED_COLLECTIVES = {
+    gathered_linears: ("all_gather+linears", "all-gather(seq) then the linears, in batch pieces; backward: "
+                                            "reduce-scatter of the input gradient, in pieces"),
+    scattered_linear: ("linear+reduce_scatter", "linear then reduce-scatter(seq), in batch pieces; backward: "
+                                               "all-gather of the output gradient, in pieces"),
+}

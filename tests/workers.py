@@ -50,7 +50,10 @@ def tp_parity(rank, world, names, steps=3, parallel_kwargs=None):
         from fxmegatron.overlapped_linear import gathered_linears, scattered_linear
         merged = [n.target.__name__ for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
                   for n in m.graph.nodes if n.op == "call_function" and n.target in (gathered_linears, scattered_linear)]
+        from fxmegatron.dump import collective_nodes
+        listed = [k for _, k in collective_nodes(pm.graph_module)]
         out[name] = {"losses_ref": losses_ref, "losses": losses, "grad_err": grad_err, "merged": merged,
+                     "listed": listed,
                      "n_local": sum(p.numel() for p in pm.parameters()),
                      "n_full": sum(p.numel() for p in ref.parameters())}
     return out
