@@ -70,6 +70,30 @@ def _scatter_async(full: Tensor, out: Tensor, dim: int, world: int, pg):
     return wait
 
 
+def _gather_in_pieces(x: Tensor, dim: int, world: int, pg, k: int):
+    """(gathered, rows per piece, pieces): every piece's all-gather is queued at once; iterating
+    ``pieces`` yields (c, piece c of ``gathered``) as each lands, placed."""
+    shape = list(x.shape)
+    shape[dim] *= world
+    gathered = x.new_empty(shape)
+    if pg is None or world == 1:
+        gathered.copy_(x)
+        pending = [None] * k
+    else:
+        pending = [_gather_async(p.contiguous(), world, pg) for p in x.chunk(k)]
+    rows = shape[0] // k
+
+    def pieces():
+        for c, job in enumerate(pending):
+            g = gathered.narrow(0, c * rows, rows)
+            if job is not None:
+                buf, work = job
+                work.wait()
+                _place_gathered(g, buf, dim, world)
+            yield c, g
+    return gathered, rows, pieces()
+
+
 def _mm_into(out2d: Tensor, a2d: Tensor, w: Tensor, bias: Optional[Tensor]) -> None:
     """out = a @ w.T (+ bias), written in place."""
     if bias is None:
@@ -84,27 +108,12 @@ def all_gather_linears(x: Tensor, weights: List[Tensor], biases: List[Tensor], h
                        world: int, group_name: str, chunks: int) -> List[Tensor]:
     """[gathered x] + [linear(gathered x, W, b) for each weight]; ``biases`` holds the biases
     of the weights whose ``has_bias`` is true, in order."""
-    pg = _group(group_name)
     it = iter(biases)
     biases = [next(it) if hb else None for hb in has_bias]
-    shape = list(x.shape)
-    shape[dim] *= world
-    gathered = x.new_empty(shape)
-    outs = [x.new_empty(shape[:-1] + [w.shape[0]]) for w in weights]
-    k = _chunks(x, dim, chunks)
-    if pg is None or world == 1:
-        gathered.copy_(x)
-        pending = [None] * k
-    else:
-        pending = [_gather_async(p.contiguous(), world, pg) for p in x.chunk(k)]
-    rows = shape[0] // k
-    for c, job in enumerate(pending):
-        g = gathered.narrow(0, c * rows, rows)
-        if job is not None:
-            buf, work = job
-            work.wait()
-            _place_gathered(g, buf, dim, world)
-        g2 = g.reshape(-1, shape[-1])
+    gathered, rows, pieces = _gather_in_pieces(x, dim, world, _group(group_name), _chunks(x, dim, chunks))
+    outs = [x.new_empty(list(gathered.shape[:-1]) + [w.shape[0]]) for w in weights]
+    for c, g in pieces:
+        g2 = g.reshape(-1, x.shape[-1])
         for w, b, o in zip(weights, biases, outs):
             _mm_into(o.narrow(0, c * rows, rows).view(-1, w.shape[0]), g2, w, b)
     return [gathered] + outs
@@ -215,26 +224,12 @@ def linear_reduce_scatter_backward(grad: Tensor, y: Tensor, weight: Tensor, dim:
                                    chunks: int) -> Tuple[Tensor, Tensor]:
     """(dy, dW): the output gradient all-gathered chunk by chunk, each chunk's dy computed
     as soon as its gather lands; dW in one matmul over the whole gathered gradient."""
-    pg = _group(group_name)
-    full = list(grad.shape)
-    full[dim] *= world
-    gathered = grad.new_empty(full)
+    gathered, rows, pieces = _gather_in_pieces(grad, dim, world, _group(group_name), _chunks(grad, dim, chunks))
     dy = y.new_empty(y.shape)
-    k = _chunks(grad, dim, chunks)
-    if pg is None or world == 1:
-        gathered.copy_(grad)
-        pending = [None] * k
-    else:
-        pending = [_gather_async(p.contiguous(), world, pg) for p in grad.chunk(k)]
-    rows = full[0] // k
-    for c, job in enumerate(pending):
-        g = gathered.narrow(0, c * rows, rows)
-        if job is not None:
-            buf, work = job
-            work.wait()
-            _place_gathered(g, buf, dim, world)
-        torch.mm(g.reshape(-1, full[-1]), weight, out=dy.narrow(0, c * rows, rows).view(-1, y.shape[-1]))
-    dw = gathered.reshape(-1, full[-1]).t().mm(y.reshape(-1, y.shape[-1]))
+    n = grad.shape[-1]
+    for c, g in pieces:
+        torch.mm(g.reshape(-1, n), weight, out=dy.narrow(0, c * rows, rows).view(-1, y.shape[-1]))
+    dw = gathered.reshape(-1, n).t().mm(y.reshape(-1, y.shape[-1]))
     return dy, dw
 
 
