@@ -94,6 +94,31 @@ def _gather_in_pieces(x: Tensor, dim: int, world: int, pg, k: int):
     return gathered, rows, pieces()
 
 
+def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, pg, chunks: int, produce):
+    """(out, wait_all): a ``full``-shaped tensor made piece by piece and reduce-scattered along
+    ``dim`` into ``out``. ``produce(c, rows, part)`` fills piece c ([rows, *full[1:]]); its
+    reduce-scatter starts at once, under the next piece's production; ``wait_all()`` waits."""
+    shape = list(full)
+    shape[dim] //= world
+    out = like.new_empty(shape)
+    k = _chunks(out, dim, chunks)
+    rows = full[0] // k
+    waits = []
+    for c in range(k):
+        part = like.new_empty([rows] + list(full[1:]))
+        produce(c, rows, part)
+        piece = out.narrow(0, c * rows, rows)
+        if pg is None or world == 1:
+            piece.copy_(part)
+        else:
+            waits.append(_scatter_async(part, piece, dim, world, pg))
+
+    def wait_all():
+        for wait in waits:
+            wait()
+    return out, wait_all
+
+
 def _mm_into(out2d: Tensor, a2d: Tensor, w: Tensor, bias: Optional[Tensor]) -> None:
     """out = a @ w.T (+ bias), written in place."""
     if bias is None:
@@ -130,33 +155,23 @@ def _(x, weights, biases, has_bias, dim, world, group_name, chunks):
 def all_gather_linears_backward(grads: List[Tensor], gathered: Tensor, weights: List[Tensor], has_bias: List[bool],
                                 dim: int, world: int, group_name: str, chunks: int) -> List[Tensor]:
     """[dx (this rank's sequence piece)] + [dW for each weight] + [db for each weight with a bias]."""
-    pg = _group(group_name)
-    full = list(gathered.shape)
-    shape = list(full)
-    shape[dim] //= world
-    dx = gathered.new_empty(shape)
-    k = _chunks(dx, dim, chunks)
-    rows = full[0] // k
-    waits = []
-    for c in range(k):
-        dg = gathered.new_empty([rows] + full[1:])
-        dg2 = dg.view(-1, full[-1])
+    h = gathered.shape[-1]
+
+    def input_grad(c, rows, part):     # sum over the linears of dY @ W, piece c
+        part2 = part.view(-1, h)
         for i, (g, w) in enumerate(zip(grads, weights)):
             g2 = g.narrow(0, c * rows, rows).reshape(-1, w.shape[0])
             if i == 0:
-                torch.mm(g2, w, out=dg2)
+                torch.mm(g2, w, out=part2)
             else:
-                dg2.addmm_(g2, w)
-        out = dx.narrow(0, c * rows, rows)
-        if pg is None or world == 1:
-            out.copy_(dg)
-        else:
-            waits.append(_scatter_async(dg, out, dim, world, pg))
-    x2 = gathered.reshape(-1, full[-1])
+                part2.addmm_(g2, w)
+
+    dx, wait_all = _scatter_in_pieces(gathered, list(gathered.shape), dim, world, _group(group_name), chunks,
+                                      input_grad)
+    x2 = gathered.reshape(-1, h)     # the weight gradients run under the last reduce-scatters
     dws = [g.reshape(-1, w.shape[0]).t().mm(x2) for g, w in zip(grads, weights)]
     dbs = [g.reshape(-1, g.shape[-1]).sum(0) for g, hb in zip(grads, has_bias) if hb]
-    for wait in waits:
-        wait()
+    wait_all()
     return [dx] + dws + dbs
 
 
@@ -191,24 +206,12 @@ all_gather_linears.register_autograd(_agl_backward, setup_context=_agl_setup)
 @torch.library.custom_op("fxmegatron::linear_reduce_scatter", mutates_args=())
 def linear_reduce_scatter(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int) -> Tensor:
     """reduce_scatter(y @ weight.T) along ``dim``."""
-    pg = _group(group_name)
-    full = list(y.shape[:-1]) + [weight.shape[0]]
-    shape = list(full)
-    shape[dim] //= world
-    out = y.new_empty(shape)
-    k = _chunks(out, dim, chunks)
-    rows = full[0] // k
-    waits = []
-    for c in range(k):
-        part = y.new_empty([rows] + full[1:])
-        _mm_into(part.view(-1, full[-1]), y.narrow(0, c * rows, rows).reshape(-1, y.shape[-1]), weight, None)
-        piece = out.narrow(0, c * rows, rows)
-        if pg is None or world == 1:
-            piece.copy_(part)
-        else:
-            waits.append(_scatter_async(part, piece, dim, world, pg))
-    for wait in waits:
-        wait()
+    def product(c, rows, part):
+        _mm_into(part.view(-1, weight.shape[0]), y.narrow(0, c * rows, rows).reshape(-1, y.shape[-1]), weight, None)
+
+    out, wait_all = _scatter_in_pieces(y, list(y.shape[:-1]) + [weight.shape[0]], dim, world, _group(group_name),
+                                       chunks, product)
+    wait_all()
     return out
 
 
