@@ -5,7 +5,8 @@
 Shapes: gpt1.3b (micro-batch 8, s 2048, h 2048, 16 heads): bias + GeLU (tanh and erf) on
 the MLP's 4h, bias + dropout(0.1) + residual on h, scale + mask on the attention scores;
 Llama-3-8B (s 2048, 32 heads of 128, MLP 14336): SiLU·mul and the rotary embedding of q.
-Times are medians of triton.testing.do_bench. Bandwidth counts the fewest bytes each pass
+Times are medians of triton.testing.do_bench. Each chain without dropout is also run in
+fp32 and its outputs and input gradients compared with eager's. Bandwidth counts the fewest bytes each pass
 must move (every input read once, every output written once; in backward the saved
 inputs and the incoming gradient read, the input gradients written) against a measured
 device-to-device copy. ``--sweep`` also times other tile shapes and prints the best.
@@ -38,6 +39,21 @@ FLAT_SWEEP = [(1, bn, w) for bn in (512, 1024, 2048, 4096, 8192) for w in (2, 4,
 def bench(fn):
     from triton.testing import do_bench
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def fp32_error(ref, fused, shape, dev, gen):
+    """Largest |fused - eager| over forward and input gradients, both in fp32 (relative to
+    each tensor's largest magnitude); None for chains with dropout (their masks differ)."""
+    if KEY in ref.kinds:
+        return None
+    xs = ref.inputs(shape, torch.float32, dev, generator=gen)
+    outs = []
+    for f in (fused.apply, ref.eager):
+        ins = [x.detach().clone().requires_grad_() if k in (FULL, ROW) else x for x, k in zip(xs, ref.kinds)]
+        y = f(*ins)
+        y.backward(torch.ones_like(y))
+        outs.append([y.detach()] + [x.grad for x in ins if isinstance(x, torch.Tensor) and x.requires_grad])
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(*outs))
 
 
 def nbytes(ts):
@@ -91,6 +107,9 @@ def main():
         both = fwd_bytes + bwd_bytes
         print(f"{label:26s} {'fwd+bwd':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
               f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
+        err = fp32_error(ref, fused, (max(1, shape[0] // 8),) + shape[1:], dev, gen)
+        if err is not None:
+            print(f"{'':26s} fp32 fwd+bwd vs eager: max error {err:.1e} (relative to each tensor's max)", flush=True)
         if args.sweep:
             n = shape[-1]
             res = {}

@@ -102,18 +102,20 @@ class TritonPrinter(StrPrinter):
             return repr(float(e))
         a = ", ".join(self._print(x) for x in e.args)
         if isinstance(e, Sigmoid):
-            return f"tl.sigmoid({a})"
+            return f"_fsigmoid({a})"
         if isinstance(e, OnePlusErf):
             return f"_one_plus_erf({a})"
         name = type(e).__name__
         if name == "tanh":    # through the sigmoid: no overflow for large |x|
-            return f"(2.0*tl.sigmoid(2.0*({a}))-1.0)"
-        if name in ("exp", "erf", "log"):
+            return f"(2.0*_fsigmoid(2.0*({a}))-1.0)"
+        if name == "exp":
+            return f"_fexp({a})"
+        if name in ("erf", "log"):
             return f"tl.{name}({a})"
         raise NotImplementedError(f"no Triton form for {name}")
 
     def _print_exp(self, e):
-        return f"tl.exp({self._print(e.args[0])})"
+        return f"_fexp({self._print(e.args[0])})"
 
 
 def _pr(e) -> str:
@@ -130,11 +132,11 @@ class OnePlusErf(sp.Function):
 ONE_PLUS_ERF_SRC = """@triton.jit
 def _one_plus_erf(z):
     a = tl.abs(z)
-    t = 1.0 / (1.0 + 0.5 * a)
+    t = _frcp(1.0 + 0.5 * a)
     p = 1.48851587 + t * (-0.82215223 + t * 0.17087277)
     p = 0.09678418 + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * p)))
     p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * p))
-    e = t * tl.exp(p - a * a)
+    e = t * _fexp(p - a * a)
     return tl.where(z >= 0, 2.0 - e, e)
 """
 
@@ -163,8 +165,41 @@ def fold_one_plus_erf(e: sp.Expr) -> sp.Expr:
     return e.replace(lambda x: x.is_Add and x.has(sp.erf), fold)
 
 
+# exp and 1/x as the GPU's approximate instructions with denormals flushed (ex2.approx.ftz,
+# rcp.approx.ftz). tl.exp and ``/`` use the same approximations but wrap them in a denormal
+# fix-up: range tests and rescaling multiplies that were a fifth of the erf GeLU's
+# instructions, and its kernels are compute-bound. Flushed: results below 1.2e-38 become 0.
+# The interpreter and ROCm (``_PLAIN_MATH``, set when the kernel file is written) run tl.exp and ``/``.
+FAST_MATH_SRC = """@triton.jit
+def _fexp(x):
+    if _PLAIN_MATH:
+        return tl.exp(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _frcp(x):
+    if _PLAIN_MATH:
+        return 1.0 / x
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fsigmoid(x):
+    return _frcp(1.0 + _fexp(-x))
+"""
+
+
 def _with_helpers(src: str) -> str:
-    return (ONE_PLUS_ERF_SRC + "\n\n" + src) if "_one_plus_erf(" in src else src
+    if "_one_plus_erf(" in src:
+        src = ONE_PLUS_ERF_SRC + "\n\n" + src
+    if any(f in src for f in ("_fexp(", "_frcp(", "_fsigmoid(")):
+        src = FAST_MATH_SRC + "\n\n" + src
+    return src
 
 
 @dataclass(frozen=True)
@@ -428,7 +463,8 @@ _CACHE: Dict[str, object] = {}
 def compile_source(src: str, name: str):
     """The jitted kernel ``name`` defined in ``src`` (cached by source)."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    key = hashlib.sha256((name + src).encode()).hexdigest()[:16]
+    plain = interpret or torch.version.hip is not None
+    key = hashlib.sha256((name + src + str(plain)).encode()).hexdigest()[:16]
     if (key, interpret) in _CACHE:
         return _CACHE[(key, interpret)]
     folder = os.path.join(tempfile.gettempdir(), "fxmegatron_kernels")
@@ -438,7 +474,7 @@ def compile_source(src: str, name: str):
     # the same kernel at once, so each writes its own file and renames it into place
     part = f"{path}.{os.getpid()}.part"
     with open(part, "w") as f:
-        f.write("import triton\nimport triton.language as tl\n\n\n" + src)
+        f.write(f"import triton\nimport triton.language as tl\n\n_PLAIN_MATH = tl.constexpr({plain})\n\n\n" + src)
     os.replace(part, path)
     spec = importlib.util.spec_from_file_location(f"fxmegatron_kernel_{key}", path)
     mod = importlib.util.module_from_spec(spec)
