@@ -220,16 +220,3 @@ def test_erf_gelu_prints_one_plus_erf_and_keeps_its_negative_tail():
     zero = (x + 0.7518).abs() < 0.05      # where the derivative crosses zero: absolute error
     assert ((dx - dwant).abs() / dwant.abs().clamp_min(1e-30))[~zero].max().item() <= 5e-5
     assert (dx - dwant)[zero].abs().max().item() <= 1e-7
-
-
-@pytest.mark.parametrize("cols,halves", [(64, True), (24, False)])
-def test_rotary_forward_loads_half_rows_when_the_tile_holds_whole_rows(cols, halves):
-    """Head dim 128 (a power of two): the forward loads each row as two contiguous halves and
-    rotates in registers; head dim 48: the partner-load form. Both match eager."""
-    ref = CHAINS["rotary"]
-    fused = FusedChain(ref.chain, ref.kinds)
-    xs = ref.inputs(ref.shape(5, cols), generator=torch.Generator().manual_seed(cols))
-    layout = fused._launch(xs, False)[2]
-    assert layout.halves is halves
-    assert ("offs_hi" in fused.source(layout, False)) is halves
-    test_forward_and_backward_match_eager.hypothesis.inner_test("rotary", 5, cols)

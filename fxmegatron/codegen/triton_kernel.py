@@ -22,7 +22,6 @@ by their source text.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import math
@@ -211,7 +210,6 @@ class Layout:
     bcast: Tuple[Optional[Tuple[int, ...]], ...]
     big: bool
     q4: bool = False      # dropout draws one Philox call per four aligned columns
-    halves: bool = False  # a rotated forward whose tile holds whole rows: two half-row loads
 
 
 def _bcast_offset(shape, ishape, rows: str, cols: str) -> str:
@@ -332,52 +330,7 @@ class _Emitter:
                 self.add(f"{r} = sgn * {x}_p")
 
 
-def forward_halves_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layout) -> str:
-    """A rotated chain's forward, tile = whole rows (N a power of two, BN == N): each row is
-    loaded as its two halves, each a
-    contiguous (vectorised) load, and rotate_half(x) is (-x_hi, x_lo) in registers, where the
-    one-tile form loads a partner at where(cols < H, cols + H, cols - H), which no load
-    vectorises. The output is computed and stored half by half."""
-    xs = [str(v) for v in chain.inputs]
-    outs = [f"y{i}" for i in range(len(chain.outputs))]
-    lines = ["@triton.jit",
-             f"def {name}({', '.join(x + '_ptr' for x in xs + outs)}, M, N, NB, BM: tl.constexpr, "
-             "BN: tl.constexpr):"]
-
-    def add(line):
-        lines.append("    " + line)
-
-    add("pm = tl.program_id(0)" + (".to(tl.int64)" if layout.big else ""))
-    # BN == N (a power of two): H is a constant, so the compiler sees each half aligned
-    add("H: tl.constexpr = BN // 2")
-    add("ch = tl.arange(0, H)[None, :]")
-    add("rows = (pm * BM + tl.arange(0, BM))[:, None]")
-    add("mask = (rows < M) & (ch < H)")
-    halves = (("lo", "ch"), ("hi", "(ch + H)"))
-    for h, c in halves:
-        add(f"offs_{h} = rows * N + {c}")
-        for i, (x, k) in enumerate(zip(xs, kinds)):
-            if k == FULL:
-                idx = f"offs_{h}"
-            elif k == ROW:
-                idx = c
-            else:
-                idx = _bcast_offset(layout.shape, layout.bcast[i], "rows", c)
-            add(f"{x}_{h} = tl.load({x}_ptr + {idx}, mask=mask, other=0).to(tl.float32)")
-    for i, r in chain.rotated.items():
-        add(f"{r}_lo = -{xs[i]}_hi")
-        add(f"{r}_hi = {xs[i]}_lo")
-    for h, _ in halves:
-        names = {v: sp.Symbol(f"{v}_{h}", real=True) for v in list(chain.inputs) + list(chain.rotated.values())}
-        for o, e in zip(outs, chain.outputs):
-            add(f"{o}_{h} = {_pr(fold_one_plus_erf(e).xreplace(names))}")
-            add(f"tl.store({o}_ptr + offs_{h}, {o}_{h}.to({o}_ptr.dtype.element_ty), mask=mask)")
-    return _with_helpers("\n".join(lines) + "\n")
-
-
 def forward_source(chain: Chain, kinds: Sequence[str], name: str, layout: Layout) -> str:
-    if layout.halves:
-        return forward_halves_source(chain, kinds, name, layout)
     em = _Emitter(chain, kinds, layout)
     outs = [f"y{i}" for i in range(len(chain.outputs))]
     head = ["@triton.jit",
@@ -572,8 +525,6 @@ class FusedChain:
         cfg = (self.bwd_tiles if backward else self.fwd_tiles) or \
             tiles(n, backward, ROW in self.kinds, self.flat, BCAST in self.kinds, bool(self.chain.rotated))
         layout = self._layout([tuple(x.shape) for x in xs], self._quarter(full, n, cfg[1]))
-        if self.chain.rotated and not backward and not self.chain.dropouts and cfg[1] == n and n % 2 == 0:
-            layout = dataclasses.replace(layout, halves=True)
         return m, n, layout, cfg, triton.cdiv(m, cfg[0]), triton.cdiv(n, cfg[1])
 
     def source(self, layout: Layout, backward: bool, needs: Optional[Tuple[bool, ...]] = None) -> str:
