@@ -35,7 +35,7 @@ number of processes):
   output is cut to the rank's sequence shard (Megatron's way); each Block is wrapped in
   ``torch.compile``. Attention runs on the local heads (a forward that views
   ``(B, T, -1, head_dim)``: the same math).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile][-nosp][-rsel|-rfull][-fadam][-ovN]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile][-nosp][-rsel|-rfull][-fadam][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device. tp > 1 turns sequence parallelism on (``-nosp``: off); ``-vN`` virtual
   stages (interleaved 1F1B); ``-mN`` microbatches (default: --microbatches, 8, when pp > 1,
@@ -44,7 +44,8 @@ number of processes):
   fxmegatron's optimizer (``fxmegatron.optim.FusedAdamW``: the same AdamW on fp32 masters in
   one pass, the clip's scale folded in) instead of the shared one; ``-ovN``: sequence
   parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
-  (``tp_comm_overlap=N``).
+  (``tp_comm_overlap=N``), moved by the copy engines where the group has symmetric memory
+  (``-ce``: insist on it) or by NCCL (``-nccl``): ``tp_comm_transport``.
 - ``-mN`` on eager/compile/native-tpN: gradient accumulation over N microbatches.
 
 A step = forward + backward (``pm.train_step(ids, labels)`` for fxmegatron), clipping
@@ -153,6 +154,7 @@ class Layout:
     recompute: str = "none"
     fadam: bool = False
     overlap: int = 0
+    transport: str = "auto"
 
     @property
     def world(self):
@@ -189,6 +191,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.sp = False
         elif head == "fx" and tok == "fadam":
             lay.fadam = True
+        elif head == "fx" and tok in ("nccl", "ce"):
+            lay.transport = {"nccl": "nccl", "ce": "copy_engine"}[tok]
         elif head == "fx" and tok in ("rsel", "rfull"):
             lay.recompute = {"rsel": "selective", "rfull": "full"}[tok]
         else:
@@ -373,7 +377,8 @@ def build_fx(lay, cfg, dev, dtype, ids, labels, meshes, ref_state=None, **_):
         model = GPT(cfg).to(dtype)
     pm = fxmegatron.parallelize(model, mesh, (ids, labels), sequence_parallel=lay.sp, recompute=lay.recompute,
                                 microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
-                                compile=lay.compile, tp_comm_overlap=lay.overlap, state_dict=ref_state)
+                                compile=lay.compile, tp_comm_overlap=lay.overlap,
+                                tp_comm_transport=lay.transport, state_dict=ref_state)
     return Job(list(pm.parameters()), lambda: pm.train_step(ids, labels), lambda: pm.clip_grad_norm_(1.0), [pm],
                norm=pm.grad_norm)
 

@@ -24,6 +24,7 @@ from .passes.dropout_rng import RNG_ATTR, apply_counter_rng
 from .passes.pipeline_split import Chunk, split_pipeline
 from .passes.fuse import apply_fuse
 from .passes.overlap_tp import apply_tp_overlap
+from .overlapped_linear import TRANSPORTS
 from .passes.recompute import apply_recompute
 from .passes.trivial_collectives import drop_trivial_collectives
 from .passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
@@ -371,7 +372,7 @@ class ParallelModel(nn.Module):
 def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: bool = False,
                 recompute="none", microbatches: int = 1, virtual_stages: int = 1,
                 schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
-                fuse: bool = False, compile=False, tp_comm_overlap: int = 0,
+                fuse: bool = False, compile=False, tp_comm_overlap: int = 0, tp_comm_transport: str = "auto",
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
                 _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
@@ -391,7 +392,10 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     ``tp_comm_overlap``: with sequence parallelism, each all-gather and reduce-scatter runs
     merged with its linears, cut into this many pieces along the batch, so that a piece's
     communication overlaps the previous piece's matmuls (0: off; see
-    ``fxmegatron.overlapped_linear``).
+    ``fxmegatron.overlapped_linear``). ``tp_comm_transport``: what moves those pieces:
+    "copy_engine" (the GPU's copy engines, through symmetric memory: no SMs taken from the
+    matmuls; ``fxmegatron.copy_engine``), "nccl" (the process group's collectives), or
+    "auto" (copy engines where the group has them, else the process group).
     ``compile``: each rank's graph (or pipeline chunk) goes to torch.compile after the passes
     (True, or a torch.compile mode string); inductor then generates the kernels.
     Weights come from ``state_dict``, else from the model, else (meta model) are
@@ -407,6 +411,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     if not isinstance(tp_comm_overlap, int) or tp_comm_overlap < 0:
         raise ShardingError(f"parallelize(tp_comm_overlap={tp_comm_overlap!r}): expected a number of batch "
                             "pieces >= 0 (0: off)")
+    if tp_comm_transport not in TRANSPORTS:
+        raise ShardingError(f"parallelize(tp_comm_transport={tp_comm_transport!r}): expected one of {TRANSPORTS}")
     pipelined = pp.size > 1 or virtual_stages > 1 or _chunked
     sched = None
     if pipelined:   # check the layout before the (long) transformation
@@ -437,7 +443,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
         getattr(local, RNG_ATTR).step = 0   # the shape check ran one forward
     timings["shape_check_s"] = time.perf_counter() - t0
     if tp_comm_overlap and tp.size > 1:
-        apply_tp_overlap(local, tp_comm_overlap)
+        apply_tp_overlap(local, tp_comm_overlap, tp_comm_transport)
     apply_recompute(local, recompute)
     if fuse:
         apply_fuse(local)

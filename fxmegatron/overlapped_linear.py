@@ -31,12 +31,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import copy_engine
 from .collectives import _group, _nccl_like
 
+TRANSPORTS = ("auto", "nccl", "copy_engine")
 
-def _chunks(x: Tensor, dim: int, chunks: int) -> int:
-    """How many batch pieces ``x`` (gathered or scattered along ``dim``) is cut into."""
-    if dim == 0 or chunks <= 1 or x.shape[0] % chunks:
+
+def _chunks(batch: int, dim: int, chunks: int) -> int:
+    """How many pieces a batch of ``batch`` rows (gathered or scattered along ``dim``) is cut into."""
+    if dim == 0 or chunks <= 1 or batch % chunks:
         return 1
     return chunks
 
@@ -70,9 +73,24 @@ def _scatter_async(full: Tensor, out: Tensor, dim: int, world: int, pg):
     return wait
 
 
-def _gather_in_pieces(x: Tensor, dim: int, world: int, pg, k: int):
+def _by_copy_engines(x: Tensor, dim: int, world: int, pg, group_name: str, transport: str) -> bool:
+    """Whether this op's collectives go through ``copy_engine`` (``transport`` "auto": where it
+    can, i.e. CUDA tensors on an NCCL group with symmetric memory) rather than NCCL/gloo."""
+    if transport == "nccl" or pg is None or world == 1 or dim == 0:
+        return False
+    ok = copy_engine.usable(x, pg, group_name)
+    if transport == "copy_engine" and not ok:
+        raise RuntimeError(f"tp_comm_transport='copy_engine': group {group_name!r} has no symmetric memory "
+                           f"for {x.device} tensors (it needs CUDA tensors on an NCCL group)")
+    return ok
+
+
+def _gather_in_pieces(x: Tensor, dim: int, world: int, group_name: str, k: int, transport: str):
     """(gathered, rows per piece, pieces): every piece's all-gather is queued at once; iterating
     ``pieces`` yields (c, piece c of ``gathered``) as each lands, placed."""
+    pg = _group(group_name)
+    if _by_copy_engines(x, dim, world, pg, group_name, transport):
+        return copy_engine.gather_in_pieces(x, dim, world, pg, group_name, k)
     shape = list(x.shape)
     shape[dim] *= world
     gathered = x.new_empty(shape)
@@ -94,14 +112,18 @@ def _gather_in_pieces(x: Tensor, dim: int, world: int, pg, k: int):
     return gathered, rows, pieces()
 
 
-def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, pg, chunks: int, produce):
+def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, group_name: str, chunks: int,
+                       transport: str, produce):
     """(out, wait_all): a ``full``-shaped tensor made piece by piece and reduce-scattered along
     ``dim`` into ``out``. ``produce(c, rows, part)`` fills piece c ([rows, *full[1:]]); its
     reduce-scatter starts at once, under the next piece's production; ``wait_all()`` waits."""
+    pg = _group(group_name)
     shape = list(full)
     shape[dim] //= world
+    k = _chunks(shape[0], dim, chunks)
+    if _by_copy_engines(like, dim, world, pg, group_name, transport):
+        return copy_engine.scatter_in_pieces(like, full, dim, world, pg, group_name, k, produce)
     out = like.new_empty(shape)
-    k = _chunks(out, dim, chunks)
     rows = full[0] // k
     waits = []
     for c in range(k):
@@ -130,12 +152,12 @@ def _mm_into(out2d: Tensor, a2d: Tensor, w: Tensor, bias: Optional[Tensor]) -> N
 # ---- all-gather, then column-parallel linears -------------------------------------------------
 @torch.library.custom_op("fxmegatron::all_gather_linears", mutates_args=())
 def all_gather_linears(x: Tensor, weights: List[Tensor], biases: List[Tensor], has_bias: List[bool], dim: int,
-                       world: int, group_name: str, chunks: int) -> List[Tensor]:
+                       world: int, group_name: str, chunks: int, transport: str) -> List[Tensor]:
     """[gathered x] + [linear(gathered x, W, b) for each weight]; ``biases`` holds the biases
     of the weights whose ``has_bias`` is true, in order."""
     it = iter(biases)
     biases = [next(it) if hb else None for hb in has_bias]
-    gathered, rows, pieces = _gather_in_pieces(x, dim, world, _group(group_name), _chunks(x, dim, chunks))
+    gathered, rows, pieces = _gather_in_pieces(x, dim, world, group_name, _chunks(x.shape[0], dim, chunks), transport)
     outs = [x.new_empty(list(gathered.shape[:-1]) + [w.shape[0]]) for w in weights]
     for c, g in pieces:
         g2 = g.reshape(-1, x.shape[-1])
@@ -145,7 +167,7 @@ def all_gather_linears(x: Tensor, weights: List[Tensor], biases: List[Tensor], h
 
 
 @all_gather_linears.register_fake
-def _(x, weights, biases, has_bias, dim, world, group_name, chunks):
+def _(x, weights, biases, has_bias, dim, world, group_name, chunks, transport):
     shape = list(x.shape)
     shape[dim] *= world
     return [x.new_empty(shape)] + [x.new_empty(shape[:-1] + [w.shape[0]]) for w in weights]
@@ -153,7 +175,7 @@ def _(x, weights, biases, has_bias, dim, world, group_name, chunks):
 
 @torch.library.custom_op("fxmegatron::all_gather_linears_backward", mutates_args=())
 def all_gather_linears_backward(grads: List[Tensor], gathered: Tensor, weights: List[Tensor], has_bias: List[bool],
-                                dim: int, world: int, group_name: str, chunks: int) -> List[Tensor]:
+                                dim: int, world: int, group_name: str, chunks: int, transport: str) -> List[Tensor]:
     """[dx (this rank's sequence piece)] + [dW for each weight] + [db for each weight with a bias]."""
     h = gathered.shape[-1]
 
@@ -166,8 +188,8 @@ def all_gather_linears_backward(grads: List[Tensor], gathered: Tensor, weights: 
             else:
                 part2.addmm_(g2, w)
 
-    dx, wait_all = _scatter_in_pieces(gathered, list(gathered.shape), dim, world, _group(group_name), chunks,
-                                      input_grad)
+    dx, wait_all = _scatter_in_pieces(gathered, list(gathered.shape), dim, world, group_name, chunks,
+                                      transport, input_grad)
     x2 = gathered.reshape(-1, h)     # the weight gradients run under the last reduce-scatters
     dws = [g.reshape(-1, w.shape[0]).t().mm(x2) for g, w in zip(grads, weights)]
     dbs = [g.reshape(-1, g.shape[-1]).sum(0) for g, hb in zip(grads, has_bias) if hb]
@@ -176,7 +198,7 @@ def all_gather_linears_backward(grads: List[Tensor], gathered: Tensor, weights: 
 
 
 @all_gather_linears_backward.register_fake
-def _(grads, gathered, weights, has_bias, dim, world, group_name, chunks):
+def _(grads, gathered, weights, has_bias, dim, world, group_name, chunks, transport):
     shape = list(gathered.shape)
     shape[dim] //= world
     return [gathered.new_empty(shape)] + [w.new_empty(w.shape) for w in weights] + \
@@ -184,19 +206,20 @@ def _(grads, gathered, weights, has_bias, dim, world, group_name, chunks):
 
 
 def _agl_setup(ctx, inputs, output):
-    x, weights, biases, has_bias, dim, world, group_name, chunks = inputs
+    x, weights, biases, has_bias, dim, world, group_name, chunks, transport = inputs
     ctx.save_for_backward(output[0], *weights)
-    ctx.args = (list(has_bias), dim, world, group_name, chunks, len(weights))
+    ctx.args = (list(has_bias), dim, world, group_name, chunks, transport, len(weights))
 
 
 def _agl_backward(ctx, grads):
     gathered, *weights = ctx.saved_tensors
-    has_bias, dim, world, group_name, chunks, n = ctx.args
+    has_bias, dim, world, group_name, chunks, transport, n = ctx.args
     out_shape = list(gathered.shape[:-1])
     gs = [gathered.new_zeros(out_shape + [w.shape[0]]) if g is None else g.contiguous()
           for g, w in zip(grads[1:], weights)]     # an output the loss does not use
-    res = all_gather_linears_backward(gs, gathered, list(weights), has_bias, dim, world, group_name, chunks)
-    return res[0], res[1:1 + n], res[1 + n:], None, None, None, None, None
+    res = all_gather_linears_backward(gs, gathered, list(weights), has_bias, dim, world, group_name, chunks,
+                                      transport)
+    return res[0], res[1:1 + n], res[1 + n:], None, None, None, None, None, None
 
 
 all_gather_linears.register_autograd(_agl_backward, setup_context=_agl_setup)
@@ -204,19 +227,20 @@ all_gather_linears.register_autograd(_agl_backward, setup_context=_agl_setup)
 
 # ---- row-parallel linear, then reduce-scatter -------------------------------------------------
 @torch.library.custom_op("fxmegatron::linear_reduce_scatter", mutates_args=())
-def linear_reduce_scatter(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int) -> Tensor:
+def linear_reduce_scatter(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int,
+                          transport: str) -> Tensor:
     """reduce_scatter(y @ weight.T) along ``dim``."""
     def product(c, rows, part):
         _mm_into(part.view(-1, weight.shape[0]), y.narrow(0, c * rows, rows).reshape(-1, y.shape[-1]), weight, None)
 
-    out, wait_all = _scatter_in_pieces(y, list(y.shape[:-1]) + [weight.shape[0]], dim, world, _group(group_name),
-                                       chunks, product)
+    out, wait_all = _scatter_in_pieces(y, list(y.shape[:-1]) + [weight.shape[0]], dim, world, group_name,
+                                       chunks, transport, product)
     wait_all()
     return out
 
 
 @linear_reduce_scatter.register_fake
-def _(y, weight, dim, world, group_name, chunks):
+def _(y, weight, dim, world, group_name, chunks, transport):
     shape = list(y.shape[:-1]) + [weight.shape[0]]
     shape[dim] //= world
     return y.new_empty(shape)
@@ -224,10 +248,11 @@ def _(y, weight, dim, world, group_name, chunks):
 
 @torch.library.custom_op("fxmegatron::linear_reduce_scatter_backward", mutates_args=())
 def linear_reduce_scatter_backward(grad: Tensor, y: Tensor, weight: Tensor, dim: int, world: int, group_name: str,
-                                   chunks: int) -> Tuple[Tensor, Tensor]:
+                                   chunks: int, transport: str) -> Tuple[Tensor, Tensor]:
     """(dy, dW): the output gradient all-gathered chunk by chunk, each chunk's dy computed
     as soon as its gather lands; dW in one matmul over the whole gathered gradient."""
-    gathered, rows, pieces = _gather_in_pieces(grad, dim, world, _group(group_name), _chunks(grad, dim, chunks))
+    gathered, rows, pieces = _gather_in_pieces(grad, dim, world, group_name, _chunks(grad.shape[0], dim, chunks),
+                                               transport)
     dy = y.new_empty(y.shape)
     n = grad.shape[-1]
     for c, g in pieces:
@@ -237,35 +262,36 @@ def linear_reduce_scatter_backward(grad: Tensor, y: Tensor, weight: Tensor, dim:
 
 
 @linear_reduce_scatter_backward.register_fake
-def _(grad, y, weight, dim, world, group_name, chunks):
+def _(grad, y, weight, dim, world, group_name, chunks, transport):
     return y.new_empty(y.shape), weight.new_empty(weight.shape)
 
 
 def _lrs_setup(ctx, inputs, output):
-    y, weight, dim, world, group_name, chunks = inputs
+    y, weight, dim, world, group_name, chunks, transport = inputs
     ctx.save_for_backward(y, weight)
-    ctx.args = (dim, world, group_name, chunks)
+    ctx.args = (dim, world, group_name, chunks, transport)
 
 
 def _lrs_backward(ctx, grad):
     y, weight = ctx.saved_tensors
     dy, dw = linear_reduce_scatter_backward(grad.contiguous(), y, weight, *ctx.args)
-    return dy, dw, None, None, None, None
+    return dy, dw, None, None, None, None, None
 
 
 linear_reduce_scatter.register_autograd(_lrs_backward, setup_context=_lrs_setup)
 
 
 def gathered_linears(x: Tensor, weights: List[Tensor], biases: List[Optional[Tensor]], dim: int, world: int,
-                     group_name: str, chunks: int) -> List[Tensor]:
+                     group_name: str, chunks: int, transport: str = "auto") -> List[Tensor]:
     """The graph's call: the linears' outputs (the gathered input stays inside)."""
     return all_gather_linears(x.contiguous(), list(weights), [b for b in biases if b is not None],
-                              [b is not None for b in biases], dim, world, group_name, chunks)[1:]
+                              [b is not None for b in biases], dim, world, group_name, chunks, transport)[1:]
 
 
-def scattered_linear(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int) -> Tensor:
+def scattered_linear(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int,
+                     transport: str = "auto") -> Tensor:
     """The graph's call: reduce_scatter(linear(y, weight)) along ``dim``."""
-    return linear_reduce_scatter(y.contiguous(), weight, dim, world, group_name, chunks)
+    return linear_reduce_scatter(y.contiguous(), weight, dim, world, group_name, chunks, transport)
 
 
 # What each merged graph function communicates, for the dump.

@@ -109,3 +109,6 @@ def test_tp_comm_overlap_needs_sequence_parallelism():
         fxmegatron.parallelize(_gpt(), None, _batch(), tp_comm_overlap=2)
     with pytest.raises(ShardingError, match=r"tp_comm_overlap=-1.*>= 0"):
         fxmegatron.parallelize(_gpt(), None, _batch(), sequence_parallel=True, tp_comm_overlap=-1)
+    with pytest.raises(ShardingError, match=r"tp_comm_transport='nvlink'.*'copy_engine'"):
+        fxmegatron.parallelize(_gpt(), None, _batch(), sequence_parallel=True, tp_comm_overlap=2,
+                               tp_comm_transport="nvlink")

@@ -31,8 +31,9 @@ def _linear_parts(n: fx.Node):
     return args[0], args[1], n.kwargs.get("bias", args[2])
 
 
-def apply_tp_overlap(gm: fx.GraphModule, chunks: int) -> int:
-    """Merge the patterns above; returns how many were merged."""
+def apply_tp_overlap(gm: fx.GraphModule, chunks: int, transport: str = "auto") -> int:
+    """Merge the patterns above (their collectives moved by ``transport``: see
+    ``overlapped_linear.TRANSPORTS``); returns how many were merged."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     merged = 0
     for n in list(gm.graph.nodes):
@@ -50,7 +51,7 @@ def apply_tp_overlap(gm: fx.GraphModule, chunks: int) -> int:
             if any(isinstance(a, fx.Node) and order[a] > order[first] for a in ws + bs):
                 continue
             with gm.graph.inserting_before(first):
-                fused = gm.graph.call_function(gathered_linears, (x, ws, bs, dim, world, group, chunks))
+                fused = gm.graph.call_function(gathered_linears, (x, ws, bs, dim, world, group, chunks, transport))
                 fused.meta = dict(first.meta)     # its block, for recomputation and pipeline cuts
                 fused.meta["val"] = [u.meta.get("val") for u in users]
                 for i, u in enumerate(users):
@@ -67,7 +68,8 @@ def apply_tp_overlap(gm: fx.GraphModule, chunks: int) -> int:
             if parts is None or parts[2] is not None or len(lin.users) != 1:
                 continue
             with gm.graph.inserting_before(n):
-                fused = gm.graph.call_function(scattered_linear, (parts[0], parts[1], dim, world, group, chunks))
+                fused = gm.graph.call_function(scattered_linear, (parts[0], parts[1], dim, world, group, chunks,
+                                                                     transport))
                 fused.meta = dict(n.meta)
             n.replace_all_uses_with(fused)
             gm.graph.erase_node(n)
