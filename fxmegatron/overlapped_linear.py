@@ -22,6 +22,11 @@ element), so results match the plain collectives up to matmul tiling. Each op is
 ``torch.library`` custom op with an autograd formula, so torch.compile keeps it as a
 call. With one chunk, a gather dim of 0, or a batch not divisible by ``chunks``, the
 same code runs unchunked. Every rank of the group must use the same ``chunks``.
+
+``transport`` says what moves the pieces: "nccl" (the process group's collectives, async
+handles), "copy_engine" (``fxmegatron.copy_engine``: peers pull the pieces from symmetric
+buffers with the copy engines, so no SMs are taken from the matmuls), or "auto" (copy
+engines where the group has them, else the process group).
 """
 from __future__ import annotations
 
