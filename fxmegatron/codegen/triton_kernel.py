@@ -166,7 +166,7 @@ def fold_one_plus_erf(e: sp.Expr) -> sp.Expr:
 
 # exp and 1/x as the GPU's approximate instructions with denormals flushed (ex2.approx.ftz,
 # rcp.approx.ftz). tl.exp and ``/`` use the same approximations but wrap them in a denormal
-# fix-up: range tests and rescaling multiplies that were a fifth of the erf GeLU's
+# fix-up: range tests and rescaling multiplies that were a quarter of the erf GeLU's
 # instructions, and its kernels are compute-bound. Flushed: results below 1.2e-38 become 0.
 # The interpreter and ROCm (``_PLAIN_MATH``, set when the kernel file is written) run tl.exp and ``/``.
 FAST_MATH_SRC = """@triton.jit
