@@ -134,8 +134,13 @@ class Workspace:
 
 _WORKSPACES: Dict[str, Workspace] = {}
 _RETIRED: List[Workspace] = []      # outgrown, kept: freeing symmetric memory is not this op's call
-_SIDE: Dict[int, "torch.cuda.Stream"] = {}
+_SIDE: Dict[Tuple[int, int], "torch.cuda.Stream"] = {}
 _USABLE: Dict[str, bool] = {}
+
+# How many side streams the pulls of one op spread over (0: one per peer). Copies on one
+# stream run one after another; on several, several copy engines run them at once.
+PULL_STREAMS = 1
+RING = True
 
 
 def workspace(group_name: str, pg, nbytes: int, device: torch.device) -> Workspace:
@@ -148,11 +153,19 @@ def workspace(group_name: str, pg, nbytes: int, device: torch.device) -> Workspa
     return ws
 
 
-def side_stream(device: torch.device):
+def side_streams(device: torch.device, world: int) -> List["torch.cuda.Stream"]:
+    """The side streams an op's pulls spread over (``PULL_STREAMS``, or one per peer)."""
     i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SIDE:
-        _SIDE[i] = torch.cuda.Stream(device=i)
-    return _SIDE[i]
+    n = max(1, min(PULL_STREAMS or world - 1, world - 1))
+    for j in range(n):
+        if (i, j) not in _SIDE:
+            _SIDE[i, j] = torch.cuda.Stream(device=i)
+    return [_SIDE[i, j] for j in range(n)]
+
+
+def _join(streams, main) -> None:
+    for s in streams:
+        main.wait_stream(s)
 
 
 def usable(x: Tensor, pg, group_name: str) -> bool:
@@ -179,25 +192,28 @@ def gather_in_pieces(x: Tensor, dim: int, world: int, pg, group_name: str, k: in
     gathered = x.new_empty(shape)
     rows = shape[0] // k
     ws = workspace(group_name, pg, x.numel() * x.element_size(), x.device)
-    main, side = torch.cuda.current_stream(), side_stream(x.device)
+    main, sides = torch.cuda.current_stream(), side_streams(x.device, world)
     mine = ws.view(ws.rank, x.numel(), x.dtype)
     mine.copy_(x.reshape(-1))
     ws.barrier(0)                       # every shard is in its buffer
-    side.wait_stream(main)
-    done: List[torch.cuda.Event] = []
+    for s in sides:
+        s.wait_stream(main)
+    done: List[List[torch.cuda.Event]] = []
     for c in range(k):
-        for step in range(world):
+        for step in range(1, world + 1):    # the peers first, this rank's own slice last
             q = (ws.rank + step) % world
             copy2d(gathered, ws.view(q, x.numel(), x.dtype), blocks(tuple(shape), dim, world, q, c * rows, rows, False),
-                   side)
-        done.append(torch.cuda.Event())
-        done[-1].record(side)
+                   sides[(step - 1) % len(sides)])
+        done.append([torch.cuda.Event() for _ in sides])
+        for e, s in zip(done[-1], sides):
+            e.record(s)
 
     def pieces():
         for c in range(k):
-            main.wait_event(done[c])
+            for e in done[c]:
+                main.wait_event(e)
             yield c, gathered.narrow(0, c * rows, rows)
-        main.wait_stream(side)
+        _join(sides, main)
     return gathered, rows, pieces()
 
 
@@ -211,20 +227,112 @@ def scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, pg, g
     rows = full[0] // k
     per_piece = rows * math.prod(full[1:])
     ws = workspace(group_name, pg, k * per_piece * like.element_size(), like.device)
-    main, side = torch.cuda.current_stream(), side_stream(like.device)
+    main, sides = torch.cuda.current_stream(), side_streams(like.device, world)
+    first = sides[0]
     numel = k * per_piece      # the buffer holds the pieces in order: the whole product's layout
     for c in range(k):
         produce(c, rows, ws.view(ws.rank, per_piece, like.dtype, c * per_piece).view([rows] + list(full[1:])))
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        first.wait_stream(main)
+        with torch.cuda.stream(first):
             ws.barrier(1)               # every rank's piece c is made
             piece = out.narrow(0, c * rows, rows)
             stage = like.new_empty([world] + list(piece.shape))
-            mine = blocks(tuple(full), dim, world, ws.rank, c * rows, rows, True)._replace(dst=0)
-            for q in range(world):
-                copy2d(stage[q], ws.view(q, numel, like.dtype), mine, side)
+        for s in sides[1:]:
+            s.wait_stream(first)
+        mine = blocks(tuple(full), dim, world, ws.rank, c * rows, rows, True)._replace(dst=0)
+        for step in range(1, world + 1):
+            q = (ws.rank + step) % world
+            copy2d(stage[q], ws.view(q, numel, like.dtype), mine, sides[(step - 1) % len(sides)])
+        for s in sides[1:]:
+            first.wait_stream(s)
+        with torch.cuda.stream(first):
             torch.sum(stage, dim=0, out=piece)
 
     def wait_all():
+        _join(sides, main)
+    return out, wait_all
+
+
+def seq_view(t: Tensor, dim: int, world: int, q: int) -> Tensor:
+    """Rank ``q``'s sequence slice of the contiguous full tensor ``t`` (split along ``dim``, not
+    the last), as a 3-D view [outer, rows, last]: ``outer`` blocks of ``rows`` contiguous rows."""
+    shape = t.shape
+    rows = shape[dim] // world * math.prod(shape[dim + 1:-1])
+    return t.view(math.prod(shape[:dim]), world * rows, shape[-1]).narrow(1, q * rows, rows)
+
+
+def gather_order(rank: int, world: int) -> List[int]:
+    """The order rank ``rank`` takes the ranks' slices in: its own (no wait), then the peers
+    from the next one on, so that at each step every GPU is read by one peer."""
+    return [(rank + step) % world for step in range(world)]
+
+
+def scatter_slots(rank: int, world: int) -> List[Tuple[int, int]]:
+    """(destination, source) per step of rank ``rank``'s reduce-scatter: at step t it makes the
+    partial for ``destination`` (into buffer slot t) and pulls slot t of ``source``, which made
+    its partial for this rank at the same step. Its own slice is made last, after them."""
+    return [((rank + 1 + t) % world, (rank - 1 - t) % world) for t in range(world - 1)]
+
+
+def ring_gather(x: Tensor, dim: int, world: int, pg, group_name: str):
+    """(gathered, pieces): ``x`` all-gathered along ``dim``, in the ranks' sequence slices.
+    ``pieces`` yields (q, slice q) starting with this rank's own (``x`` itself: no wait), then
+    rank + 1, rank + 2, ... as each lands: at each step every GPU is read by one peer."""
+    shape = list(x.shape)
+    shape[dim] *= world
+    gathered = x.new_empty(shape)
+    ws = workspace(group_name, pg, x.numel() * x.element_size(), x.device)
+    main, side = torch.cuda.current_stream(), side_streams(x.device, world)[0]
+    rank = ws.rank
+    side.wait_stream(main)
+    whole = Blocks(0, x.numel(), 0, x.numel(), x.numel(), 1)
+    copy2d(ws.view(rank, x.numel(), x.dtype), x, whole, side)
+    with torch.cuda.stream(side):
+        ws.barrier(0)                   # every shard is in its buffer
+    order = gather_order(rank, world)
+    landed = {}
+    for q in order[1:]:
+        copy2d(gathered, ws.view(q, x.numel(), x.dtype), blocks(tuple(shape), dim, world, q, 0, shape[0], False), side)
+        landed[q] = torch.cuda.Event()
+        landed[q].record(side)
+    copy2d(gathered, x, blocks(tuple(shape), dim, world, rank, 0, shape[0], False), side)
+
+    def pieces():
+        yield rank, x.view(seq_view(gathered, dim, world, rank).shape)
+        for q in order[1:]:
+            main.wait_event(landed[q])
+            yield q, seq_view(gathered, dim, world, q)
         main.wait_stream(side)
+    return gathered, pieces()
+
+
+def ring_scatter(like: Tensor, full: List[int], dim: int, world: int, pg, group_name: str, produce):
+    """(out, wait_all): a ``full``-shaped product reduce-scattered along ``dim``, made one
+    destination's sequence slice at a time: ``produce(q, part)`` writes slice q's partial
+    product into ``part`` ([outer, rows, last], contiguous). Rank r makes r + 1's slice first
+    (into its buffer, pulled by r + 1 under the next step), ..., its own last; the own slice
+    and the pulled ones are summed at the end."""
+    shape = list(full)
+    shape[dim] //= world
+    out = like.new_empty(shape)
+    part_shape = [math.prod(shape[:dim]), math.prod(shape[dim:-1]), shape[-1]]
+    per = math.prod(part_shape)
+    ws = workspace(group_name, pg, max(world - 1, 1) * per * like.element_size(), like.device)
+    main, side = torch.cuda.current_stream(), side_streams(like.device, world)[0]
+    rank = ws.rank
+    stage = like.new_empty([world] + part_shape)
+    piece = Blocks(0, per, 0, per, per, 1)
+    for t, (dst, src) in enumerate(scatter_slots(rank, world)):
+        produce(dst, ws.view(rank, per, like.dtype, t * per).view(part_shape))
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ws.barrier(1)           # every rank's slot t is made
+        copy2d(stage[t], ws.view(src, per, like.dtype, t * per), piece, side)
+    produce(rank, stage[world - 1])
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.sum(stage, dim=0, out=out.view(part_shape))
+
+    def wait_all():
+        main.wait_stream(side)      # before ``stage`` is freed: main may reuse its memory next
     return out, wait_all

@@ -91,11 +91,17 @@ def _by_copy_engines(x: Tensor, dim: int, world: int, pg, group_name: str, trans
 
 
 def _gather_in_pieces(x: Tensor, dim: int, world: int, group_name: str, k: int, transport: str):
-    """(gathered, rows per piece, pieces): every piece's all-gather is queued at once; iterating
-    ``pieces`` yields (c, piece c of ``gathered``) as each lands, placed."""
+    """(gathered, pieces): iterating ``pieces`` yields (sel, piece) as each piece of the gathered
+    ``x`` lands; ``sel(t)`` is the same piece of any tensor shaped like the gathered one in all
+    but the last dim. Pieces are ``k`` batch pieces (every gather queued at once), or, over
+    copy engines, the ranks' sequence slices (this rank's own first: ``copy_engine.ring_gather``)."""
     pg = _group(group_name)
     if _by_copy_engines(x, dim, world, pg, group_name, transport):
-        return copy_engine.gather_in_pieces(x, dim, world, pg, group_name, k)
+        if copy_engine.RING:
+            gathered, ring = copy_engine.ring_gather(x, dim, world, pg, group_name)
+            return gathered, ((lambda t, q=q: copy_engine.seq_view(t, dim, world, q), g) for q, g in ring)
+        gathered, rows, pieces = copy_engine.gather_in_pieces(x, dim, world, pg, group_name, k)
+        return gathered, ((lambda t, c=c: t.narrow(0, c * rows, rows), g) for c, g in pieces)
     shape = list(x.shape)
     shape[dim] *= world
     gathered = x.new_empty(shape)
@@ -113,27 +119,34 @@ def _gather_in_pieces(x: Tensor, dim: int, world: int, group_name: str, k: int, 
                 buf, work = job
                 work.wait()
                 _place_gathered(g, buf, dim, world)
-            yield c, g
-    return gathered, rows, pieces()
+            yield (lambda t, c=c: t.narrow(0, c * rows, rows)), g
+    return gathered, pieces()
 
 
 def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, group_name: str, chunks: int,
                        transport: str, produce):
     """(out, wait_all): a ``full``-shaped tensor made piece by piece and reduce-scattered along
-    ``dim`` into ``out``. ``produce(c, rows, part)`` fills piece c ([rows, *full[1:]]); its
-    reduce-scatter starts at once, under the next piece's production; ``wait_all()`` waits."""
+    ``dim`` into ``out``. ``produce(sel, part)`` fills ``part`` (contiguous) with the piece that
+    ``sel`` cuts from a ``full``-shaped tensor; its reduce-scatter starts at once, under the next
+    piece's production; ``wait_all()`` waits. Pieces as in ``_gather_in_pieces``."""
     pg = _group(group_name)
     shape = list(full)
     shape[dim] //= world
     k = _chunks(shape[0], dim, chunks)
     if _by_copy_engines(like, dim, world, pg, group_name, transport):
-        return copy_engine.scatter_in_pieces(like, full, dim, world, pg, group_name, k, produce)
+        if copy_engine.RING:
+            return copy_engine.ring_scatter(like, full, dim, world, pg, group_name,
+                                            lambda q, part: produce(
+                                                lambda t: copy_engine.seq_view(t, dim, world, q), part))
+        return copy_engine.scatter_in_pieces(like, full, dim, world, pg, group_name, k,
+                                             lambda c, rows, part: produce(
+                                                 lambda t: t.narrow(0, c * rows, rows), part))
     out = like.new_empty(shape)
     rows = full[0] // k
     waits = []
     for c in range(k):
         part = like.new_empty([rows] + list(full[1:]))
-        produce(c, rows, part)
+        produce(lambda t, c=c: t.narrow(0, c * rows, rows), part)
         piece = out.narrow(0, c * rows, rows)
         if pg is None or world == 1:
             piece.copy_(part)
@@ -146,12 +159,27 @@ def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, grou
     return out, wait_all
 
 
-def _mm_into(out2d: Tensor, a2d: Tensor, w: Tensor, bias: Optional[Tensor]) -> None:
-    """out = a @ w.T (+ bias), written in place."""
-    if bias is None:
-        torch.mm(a2d, w.t(), out=out2d)
+def _mm_piece(out: Tensor, a: Tensor, wt: Tensor, bias: Optional[Tensor] = None, accumulate: bool = False) -> None:
+    """``out`` = a @ wt (+ bias), or += a @ wt, in place. Contiguous pieces (batch pieces) are
+    one 2-D matmul; sequence slices ([outer, rows, last] strided views) one batched matmul
+    over ``outer``, the weight broadcast (stride 0), written straight into the strided ``out``."""
+    k, n = wt.shape
+    if out.is_contiguous() and a.is_contiguous():
+        o2, a2 = out.view(-1, n), a.reshape(-1, k)
+        if accumulate:
+            o2.addmm_(a2, wt)
+        elif bias is None:
+            torch.mm(a2, wt, out=o2)
+        else:
+            torch.addmm(bias, a2, wt, out=o2)
+        return
+    w3 = wt.expand(a.shape[0], k, n)
+    if accumulate:
+        out.baddbmm_(a, w3)
+    elif bias is None:
+        torch.bmm(a, w3, out=out)
     else:
-        torch.addmm(bias, a2d, w.t(), out=out2d)
+        torch.baddbmm(bias, a, w3, out=out)
 
 
 # ---- all-gather, then column-parallel linears -------------------------------------------------
@@ -162,12 +190,11 @@ def all_gather_linears(x: Tensor, weights: List[Tensor], biases: List[Tensor], h
     of the weights whose ``has_bias`` is true, in order."""
     it = iter(biases)
     biases = [next(it) if hb else None for hb in has_bias]
-    gathered, rows, pieces = _gather_in_pieces(x, dim, world, group_name, _chunks(x.shape[0], dim, chunks), transport)
+    gathered, pieces = _gather_in_pieces(x, dim, world, group_name, _chunks(x.shape[0], dim, chunks), transport)
     outs = [x.new_empty(list(gathered.shape[:-1]) + [w.shape[0]]) for w in weights]
-    for c, g in pieces:
-        g2 = g.reshape(-1, x.shape[-1])
+    for sel, g in pieces:
         for w, b, o in zip(weights, biases, outs):
-            _mm_into(o.narrow(0, c * rows, rows).view(-1, w.shape[0]), g2, w, b)
+            _mm_piece(sel(o), g, w.t(), b)
     return [gathered] + outs
 
 
@@ -182,20 +209,14 @@ def _(x, weights, biases, has_bias, dim, world, group_name, chunks, transport):
 def all_gather_linears_backward(grads: List[Tensor], gathered: Tensor, weights: List[Tensor], has_bias: List[bool],
                                 dim: int, world: int, group_name: str, chunks: int, transport: str) -> List[Tensor]:
     """[dx (this rank's sequence piece)] + [dW for each weight] + [db for each weight with a bias]."""
-    h = gathered.shape[-1]
 
-    def input_grad(c, rows, part):     # sum over the linears of dY @ W, piece c
-        part2 = part.view(-1, h)
+    def input_grad(sel, part):     # sum over the linears of dY @ W, one piece
         for i, (g, w) in enumerate(zip(grads, weights)):
-            g2 = g.narrow(0, c * rows, rows).reshape(-1, w.shape[0])
-            if i == 0:
-                torch.mm(g2, w, out=part2)
-            else:
-                part2.addmm_(g2, w)
+            _mm_piece(part, sel(g), w, accumulate=i > 0)
 
     dx, wait_all = _scatter_in_pieces(gathered, list(gathered.shape), dim, world, group_name, chunks,
                                       transport, input_grad)
-    x2 = gathered.reshape(-1, h)     # the weight gradients run under the last reduce-scatters
+    x2 = gathered.reshape(-1, gathered.shape[-1])     # the weight gradients run under the last reduce-scatters
     dws = [g.reshape(-1, w.shape[0]).t().mm(x2) for g, w in zip(grads, weights)]
     dbs = [g.reshape(-1, g.shape[-1]).sum(0) for g, hb in zip(grads, has_bias) if hb]
     wait_all()
@@ -235,8 +256,8 @@ all_gather_linears.register_autograd(_agl_backward, setup_context=_agl_setup)
 def linear_reduce_scatter(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int,
                           transport: str) -> Tensor:
     """reduce_scatter(y @ weight.T) along ``dim``."""
-    def product(c, rows, part):
-        _mm_into(part.view(-1, weight.shape[0]), y.narrow(0, c * rows, rows).reshape(-1, y.shape[-1]), weight, None)
+    def product(sel, part):
+        _mm_piece(part, sel(y), weight.t())
 
     out, wait_all = _scatter_in_pieces(y, list(y.shape[:-1]) + [weight.shape[0]], dim, world, group_name,
                                        chunks, transport, product)
@@ -256,12 +277,12 @@ def linear_reduce_scatter_backward(grad: Tensor, y: Tensor, weight: Tensor, dim:
                                    chunks: int, transport: str) -> Tuple[Tensor, Tensor]:
     """(dy, dW): the output gradient all-gathered chunk by chunk, each chunk's dy computed
     as soon as its gather lands; dW in one matmul over the whole gathered gradient."""
-    gathered, rows, pieces = _gather_in_pieces(grad, dim, world, group_name, _chunks(grad.shape[0], dim, chunks),
-                                               transport)
+    gathered, pieces = _gather_in_pieces(grad, dim, world, group_name, _chunks(grad.shape[0], dim, chunks),
+                                         transport)
     dy = y.new_empty(y.shape)
     n = grad.shape[-1]
-    for c, g in pieces:
-        torch.mm(g.reshape(-1, n), weight, out=dy.narrow(0, c * rows, rows).view(-1, y.shape[-1]))
+    for sel, g in pieces:
+        _mm_piece(sel(dy), g, weight)
     dw = gathered.reshape(-1, n).t().mm(y.reshape(-1, y.shape[-1]))
     return dy, dw
 
