@@ -211,7 +211,7 @@ def _get(mod, target):
 def load_folder(folder: str, mesh, device=None):
     """A ``ParallelModel`` for this rank from a compiled folder (no model code needed)."""
     from . import collectives
-    from .api import Axis, ParallelModel, Pipeline, _mesh_axes, _runtime_device
+    from .api import ParallelModel, Pipeline, _mesh_axes, _runtime_device
     from .data_parallel import GradSync
     from .passes.pipeline_split import Chunk
     from .placement import R, Shard

@@ -5,20 +5,26 @@ they take SMs from them (on four H200s the tp4 step's matmuls ran 12% slower und
 overlap: docs/PERFORMANCE.md). Here every rank of the group puts its data in a symmetric
 buffer (``torch.distributed._symmetric_memory``: each rank's buffer is mapped into every
 peer's address space) and each rank *pulls* what it needs with ``cudaMemcpy2DAsync``, which
-the copy engines run, on a side stream; no SM is used but for a one-block barrier and, in the
-reduce-scatter, the sum of the pulled pieces.
+the copy engines run, on a side stream; no SM is used but for a one-block barrier and the
+reduce-scatter's final sum.
 
-The tensors are [B, ..., S, ...] split along the sequence dim ``dim`` > 0 and cut into batch
-pieces of ``rows`` (the pipelining unit of ``overlapped_linear``). One rank's slice of one
-batch piece is then ``height`` blocks of ``width`` contiguous elements, ``pitch`` apart in the
-whole tensor: one 2-D copy (``blocks``).
+Both collectives go round the ranks' sequence slices (the tensors are [B, ..., S, ..., H],
+split along the sequence dim ``dim``; a slice is a 3-D view, ``seq_view``):
 
-Synchronisation: a barrier after the shards are in place (gather) or after each piece's
-partial product is written (reduce-scatter); nothing at the end of an op. Ops alternate
-between the two halves of the buffer, so op n + 2 writes where op n was read, and every
-peer has finished op n's reads before op n + 1's barrier lets anyone past it (a rank's main
-stream waits for its side stream's reads at the end of each op, and every op's barriers
-come after that in stream order).
+* gather (``ring_gather``): a rank's own slice is its input, so its matmul runs first with no
+  wait; meanwhile the shard goes into the buffer, a barrier, and the peers' shards are pulled
+  one after another, rank + 1 first (at each step every GPU is read by one peer), each a 2-D
+  copy into the gathered tensor (``blocks``), each slice's matmul as soon as it lands;
+* reduce-scatter (``ring_scatter``): at step t a rank makes the partial product of rank
+  + 1 + t's slice into slot t of its buffer; after a barrier, each rank pulls slot t of the
+  rank that made its partial at that step (``scatter_slots``), under the next step's matmul;
+  its own slice is made last, and the W pieces are summed.
+
+Synchronisation: one barrier per gather, one per reduce-scatter step, nothing at the end of an
+op. Ops alternate between the two halves of the buffer, so op n + 2 writes where op n was
+read, and every peer has finished op n's reads before op n + 1's barrier lets anyone past it
+(a rank's main stream waits for its side stream at the end of each op; an op's barriers and
+buffer writes come after that in stream order).
 """
 from __future__ import annotations
 
@@ -41,23 +47,12 @@ class Blocks(NamedTuple):
     height: int
 
 
-def blocks(shape: Tuple[int, ...], dim: int, world: int, rank: int, start: int, rows: int,
-           gathered_src: bool) -> Blocks:
-    """Rank ``rank``'s sequence slice of batch rows [start, start + rows) of a tensor gathered
-    along ``dim`` (full ``shape``), against the same rows of the rank's contiguous shard.
-    ``gathered_src``: copy from the gathered tensor into a contiguous piece (reduce-scatter);
-    else from the shard into the gathered tensor (all-gather). Offsets count from the start of
-    the piece in the gathered tensor and from the start of the shard (or piece) buffer."""
+def blocks(shape: Tuple[int, ...], dim: int, world: int, rank: int) -> Blocks:
+    """Rank ``rank``'s sequence slice of a tensor gathered along ``dim`` (full ``shape``), from
+    the rank's contiguous shard: one block per index of the dims before ``dim``."""
     inner = math.prod(shape[dim + 1:])
-    s = shape[dim] // world
-    width = s * inner
-    pitch = shape[dim] * inner
-    height = rows * math.prod(shape[1:dim])
-    in_full = start * math.prod(shape[1:]) + rank * width
-    in_shard = start * math.prod(shape[1:]) // world
-    if gathered_src:
-        return Blocks(in_shard, width, in_full, pitch, width, height)
-    return Blocks(in_full, pitch, in_shard, width, width, height)
+    width = shape[dim] // world * inner
+    return Blocks(rank * width, shape[dim] * inner, 0, width, width, math.prod(shape[:dim]))
 
 
 _MEMCPY2D = None
@@ -134,13 +129,8 @@ class Workspace:
 
 _WORKSPACES: Dict[str, Workspace] = {}
 _RETIRED: List[Workspace] = []      # outgrown, kept: freeing symmetric memory is not this op's call
-_SIDE: Dict[Tuple[int, int], "torch.cuda.Stream"] = {}
+_SIDE: Dict[int, "torch.cuda.Stream"] = {}
 _USABLE: Dict[str, bool] = {}
-
-# How many side streams the pulls of one op spread over (0: one per peer). Copies on one
-# stream run one after another; on several, several copy engines run them at once.
-PULL_STREAMS = 1
-RING = True
 
 
 def workspace(group_name: str, pg, nbytes: int, device: torch.device) -> Workspace:
@@ -153,19 +143,13 @@ def workspace(group_name: str, pg, nbytes: int, device: torch.device) -> Workspa
     return ws
 
 
-def side_streams(device: torch.device, world: int) -> List["torch.cuda.Stream"]:
-    """The side streams an op's pulls spread over (``PULL_STREAMS``, or one per peer)."""
+def side_stream(device: torch.device):
+    """The stream the pulls run on. One: on a stream per peer the ops ran slower on four H200s
+    (benchmarks/tp_overlap_ops.py: 0.4-0.7 ms more per op), though the copies ran at once."""
     i = device.index if device.index is not None else torch.cuda.current_device()
-    n = max(1, min(PULL_STREAMS or world - 1, world - 1))
-    for j in range(n):
-        if (i, j) not in _SIDE:
-            _SIDE[i, j] = torch.cuda.Stream(device=i)
-    return [_SIDE[i, j] for j in range(n)]
-
-
-def _join(streams, main) -> None:
-    for s in streams:
-        main.wait_stream(s)
+    if i not in _SIDE:
+        _SIDE[i] = torch.cuda.Stream(device=i)
+    return _SIDE[i]
 
 
 def usable(x: Tensor, pg, group_name: str) -> bool:
@@ -183,74 +167,6 @@ def usable(x: Tensor, pg, group_name: str) -> bool:
             ok = False
         _USABLE[group_name] = ok
     return _USABLE[group_name]
-
-
-def gather_in_pieces(x: Tensor, dim: int, world: int, pg, group_name: str, k: int):
-    """``overlapped_linear._gather_in_pieces`` by copy engines: (gathered, rows, pieces)."""
-    shape = list(x.shape)
-    shape[dim] *= world
-    gathered = x.new_empty(shape)
-    rows = shape[0] // k
-    ws = workspace(group_name, pg, x.numel() * x.element_size(), x.device)
-    main, sides = torch.cuda.current_stream(), side_streams(x.device, world)
-    mine = ws.view(ws.rank, x.numel(), x.dtype)
-    mine.copy_(x.reshape(-1))
-    ws.barrier(0)                       # every shard is in its buffer
-    for s in sides:
-        s.wait_stream(main)
-    done: List[List[torch.cuda.Event]] = []
-    for c in range(k):
-        for step in range(1, world + 1):    # the peers first, this rank's own slice last
-            q = (ws.rank + step) % world
-            copy2d(gathered, ws.view(q, x.numel(), x.dtype), blocks(tuple(shape), dim, world, q, c * rows, rows, False),
-                   sides[(step - 1) % len(sides)])
-        done.append([torch.cuda.Event() for _ in sides])
-        for e, s in zip(done[-1], sides):
-            e.record(s)
-
-    def pieces():
-        for c in range(k):
-            for e in done[c]:
-                main.wait_event(e)
-            yield c, gathered.narrow(0, c * rows, rows)
-        _join(sides, main)
-    return gathered, rows, pieces()
-
-
-def scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, pg, group_name: str, k: int, produce):
-    """``overlapped_linear._scatter_in_pieces`` by copy engines: each piece's partial product is
-    made in the symmetric buffer; once every rank has made it, each pulls its slice of every
-    rank's piece and sums them (one small kernel), while the next piece is made."""
-    shape = list(full)
-    shape[dim] //= world
-    out = like.new_empty(shape)
-    rows = full[0] // k
-    per_piece = rows * math.prod(full[1:])
-    ws = workspace(group_name, pg, k * per_piece * like.element_size(), like.device)
-    main, sides = torch.cuda.current_stream(), side_streams(like.device, world)
-    first = sides[0]
-    numel = k * per_piece      # the buffer holds the pieces in order: the whole product's layout
-    for c in range(k):
-        produce(c, rows, ws.view(ws.rank, per_piece, like.dtype, c * per_piece).view([rows] + list(full[1:])))
-        first.wait_stream(main)
-        with torch.cuda.stream(first):
-            ws.barrier(1)               # every rank's piece c is made
-            piece = out.narrow(0, c * rows, rows)
-            stage = like.new_empty([world] + list(piece.shape))
-        for s in sides[1:]:
-            s.wait_stream(first)
-        mine = blocks(tuple(full), dim, world, ws.rank, c * rows, rows, True)._replace(dst=0)
-        for step in range(1, world + 1):
-            q = (ws.rank + step) % world
-            copy2d(stage[q], ws.view(q, numel, like.dtype), mine, sides[(step - 1) % len(sides)])
-        for s in sides[1:]:
-            first.wait_stream(s)
-        with torch.cuda.stream(first):
-            torch.sum(stage, dim=0, out=piece)
-
-    def wait_all():
-        _join(sides, main)
-    return out, wait_all
 
 
 def seq_view(t: Tensor, dim: int, world: int, q: int) -> Tensor:
@@ -282,7 +198,7 @@ def ring_gather(x: Tensor, dim: int, world: int, pg, group_name: str):
     shape[dim] *= world
     gathered = x.new_empty(shape)
     ws = workspace(group_name, pg, x.numel() * x.element_size(), x.device)
-    main, side = torch.cuda.current_stream(), side_streams(x.device, world)[0]
+    main, side = torch.cuda.current_stream(), side_stream(x.device)
     rank = ws.rank
     side.wait_stream(main)
     whole = Blocks(0, x.numel(), 0, x.numel(), x.numel(), 1)
@@ -292,10 +208,10 @@ def ring_gather(x: Tensor, dim: int, world: int, pg, group_name: str):
     order = gather_order(rank, world)
     landed = {}
     for q in order[1:]:
-        copy2d(gathered, ws.view(q, x.numel(), x.dtype), blocks(tuple(shape), dim, world, q, 0, shape[0], False), side)
+        copy2d(gathered, ws.view(q, x.numel(), x.dtype), blocks(tuple(shape), dim, world, q), side)
         landed[q] = torch.cuda.Event()
         landed[q].record(side)
-    copy2d(gathered, x, blocks(tuple(shape), dim, world, rank, 0, shape[0], False), side)
+    copy2d(gathered, x, blocks(tuple(shape), dim, world, rank), side)
 
     def pieces():
         yield rank, x.view(seq_view(gathered, dim, world, rank).shape)
@@ -318,7 +234,7 @@ def ring_scatter(like: Tensor, full: List[int], dim: int, world: int, pg, group_
     part_shape = [math.prod(shape[:dim]), math.prod(shape[dim:-1]), shape[-1]]
     per = math.prod(part_shape)
     ws = workspace(group_name, pg, max(world - 1, 1) * per * like.element_size(), like.device)
-    main, side = torch.cuda.current_stream(), side_streams(like.device, world)[0]
+    main, side = torch.cuda.current_stream(), side_stream(like.device)
     rank = ws.rank
     stage = like.new_empty([world] + part_shape)
     piece = Blocks(0, per, 0, per, per, 1)

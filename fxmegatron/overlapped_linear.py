@@ -26,7 +26,11 @@ same code runs unchunked. Every rank of the group must use the same ``chunks``.
 ``transport`` says what moves the pieces: "nccl" (the process group's collectives, async
 handles), "copy_engine" (``fxmegatron.copy_engine``: peers pull the pieces from symmetric
 buffers with the copy engines, so no SMs are taken from the matmuls), or "auto" (copy
-engines where the group has them, else the process group).
+engines where the group has them, else the process group). Over copy engines the pieces
+are not batch chunks but the ranks' sequence slices (``chunks`` is not used): a gather
+starts with the rank's own slice, which needs no communication, and a reduce-scatter ends
+with it, so only the final sum is left after the last matmul. A slice is a strided 3-D view
+[outer, rows, features]; its matmul is one batched matmul (``_mm_piece``).
 """
 from __future__ import annotations
 
@@ -81,7 +85,7 @@ def _scatter_async(full: Tensor, out: Tensor, dim: int, world: int, pg):
 def _by_copy_engines(x: Tensor, dim: int, world: int, pg, group_name: str, transport: str) -> bool:
     """Whether this op's collectives go through ``copy_engine`` (``transport`` "auto": where it
     can, i.e. CUDA tensors on an NCCL group with symmetric memory) rather than NCCL/gloo."""
-    if transport == "nccl" or pg is None or world == 1 or dim == 0:
+    if transport == "nccl" or pg is None or world == 1 or dim == 0 or dim >= x.dim() - 1:
         return False
     ok = copy_engine.usable(x, pg, group_name)
     if transport == "copy_engine" and not ok:
@@ -97,11 +101,8 @@ def _gather_in_pieces(x: Tensor, dim: int, world: int, group_name: str, k: int, 
     copy engines, the ranks' sequence slices (this rank's own first: ``copy_engine.ring_gather``)."""
     pg = _group(group_name)
     if _by_copy_engines(x, dim, world, pg, group_name, transport):
-        if copy_engine.RING:
-            gathered, ring = copy_engine.ring_gather(x, dim, world, pg, group_name)
-            return gathered, ((lambda t, q=q: copy_engine.seq_view(t, dim, world, q), g) for q, g in ring)
-        gathered, rows, pieces = copy_engine.gather_in_pieces(x, dim, world, pg, group_name, k)
-        return gathered, ((lambda t, c=c: t.narrow(0, c * rows, rows), g) for c, g in pieces)
+        gathered, ring = copy_engine.ring_gather(x, dim, world, pg, group_name)
+        return gathered, ((lambda t, q=q: copy_engine.seq_view(t, dim, world, q), g) for q, g in ring)
     shape = list(x.shape)
     shape[dim] *= world
     gathered = x.new_empty(shape)
@@ -134,13 +135,8 @@ def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, grou
     shape[dim] //= world
     k = _chunks(shape[0], dim, chunks)
     if _by_copy_engines(like, dim, world, pg, group_name, transport):
-        if copy_engine.RING:
-            return copy_engine.ring_scatter(like, full, dim, world, pg, group_name,
-                                            lambda q, part: produce(
-                                                lambda t: copy_engine.seq_view(t, dim, world, q), part))
-        return copy_engine.scatter_in_pieces(like, full, dim, world, pg, group_name, k,
-                                             lambda c, rows, part: produce(
-                                                 lambda t: t.narrow(0, c * rows, rows), part))
+        return copy_engine.ring_scatter(like, full, dim, world, pg, group_name,
+                                        lambda q, part: produce(lambda t: copy_engine.seq_view(t, dim, world, q), part))
     out = like.new_empty(shape)
     rows = full[0] // k
     waits = []

@@ -4,7 +4,6 @@ Both take the rank's slice of the vocabulary ``[vocab_start, vocab_start + V/t)`
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

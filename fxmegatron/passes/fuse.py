@@ -20,7 +20,7 @@ original ATen ops, kept as a GraphModule. The dump writes each group's Triton so
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.fx as fx

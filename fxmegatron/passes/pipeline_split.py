@@ -19,7 +19,6 @@ two chunks (tied embedding and LM head) is the same name in both.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
