@@ -104,7 +104,7 @@ def op_rows(group_name, world, args):
 
     B, S, H = args.batch, args.seq, args.hidden
     s = S // world
-    dt = torch.bfloat16
+    dt = getattr(torch, args.dtype)
     torch.manual_seed(dist.get_rank())     # every rank its own inputs, so the reductions sum different numbers
     ops = {   # name: (kind, input shape, weight (out, in), bias)
         "qkv": ("gather", (B, s, H), (3 * H // world, H), True),
@@ -112,14 +112,16 @@ def op_rows(group_name, world, args):
         "proj": ("scatter", (B, S, H // world), (H, H // world), False),
         "fc2": ("scatter", (B, S, 4 * H // world), (H, 4 * H // world), False),
     }
+    ops["q, k, v"] = ("gather", (B, s, H), (H // world, H), True)     # three linears of one input
     if args.no_bias_row:
         ops["qkv, no bias"] = ("gather", (B, s, H), (3 * H // world, H), False)
     configs = [("matmuls alone", None, 1)] + [(c, *_config(c)) for c in args.configs.split(",")]
     rows = []
     for name, (kind, xshape, wshape, has_bias) in ops.items():
         x = torch.randn(xshape, device="cuda", dtype=dt, requires_grad=True)
-        w = (torch.randn(wshape, device="cuda", dtype=dt) * 0.02).requires_grad_()
-        b = torch.zeros(wshape[0], device="cuda", dtype=dt, requires_grad=True) if has_bias else None
+        n_lin = 3 if name == "q, k, v" else 1
+        w = (torch.randn((n_lin,) + wshape, device="cuda", dtype=dt) * 0.02).requires_grad_()
+        b = (torch.randn(n_lin, wshape[0], device="cuda", dtype=dt) * 0.02).requires_grad_() if has_bias else None
         base, ref = None, None
         for label, transport, k in configs:
             if transport is None:
@@ -127,13 +129,16 @@ def op_rows(group_name, world, args):
                 xa = torch.randn(full, device="cuda", dtype=dt, requires_grad=True)
 
                 def fwd():
-                    return torch.nn.functional.linear(xa, w, b)
+                    return sum((i + 1) * torch.nn.functional.linear(xa, w[i], None if b is None else b[i])
+                               for i in range(n_lin))
             elif kind == "gather":
                 def fwd():
-                    return gathered_linears(x, [w], [b], 1, world, group_name, k, transport)[0]
+                    outs = gathered_linears(x, list(w.unbind(0)), [None] * n_lin if b is None else list(b.unbind(0)),
+                                            1, world, group_name, k, transport)
+                    return sum((i + 1) * o for i, o in enumerate(outs))     # distinct gradients per linear
             else:
                 def fwd():
-                    return scattered_linear(x, w, 1, world, group_name, k, transport)
+                    return scattered_linear(x, w[0], 1, world, group_name, k, transport)
             y = fwd()
             g = torch.randn_like(y, generator=torch.Generator("cuda").manual_seed(1))
 
@@ -145,7 +150,7 @@ def op_rows(group_name, world, args):
                     if t is not None:
                         t.grad = None
                 bwd()
-                got = [y.float()] + [t.grad.float() for t in (x, w, b) if t is not None]
+                got = [y.detach().float().clone()] + [t.grad.float().clone() for t in (x, w, b) if t is not None]
                 if ref is None:
                     ref = got
                 err = max(((u - v).abs().max() / v.abs().max()).item() for u, v in zip(got, ref))
@@ -172,6 +177,7 @@ def main():
     ap.add_argument("--configs", default="nccl:1,nccl:4,ce",
                     help="comma-separated: nccl:PIECES (NCCL, batch pieces), ce (copy engines, the ranks' sequence "
                          "slices)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--no-bias-row", action="store_true", help="also time qkv without its bias")
     args = ap.parse_args()
     if not torch.cuda.is_available():

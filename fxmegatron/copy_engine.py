@@ -127,18 +127,28 @@ class Workspace:
         self.handle.barrier(channel=channel)
 
 
-_WORKSPACES: Dict[str, Workspace] = {}
+# Keyed by the resolved group's name and ranks, not by the name the graph passes: a compiled
+# bundle's graph names its groups by alias ("@tp", ``collectives.GROUP_ALIASES``), which a
+# later mesh in the same process may point at other ranks.
+_WORKSPACES: Dict[Tuple[str, Tuple[int, ...]], Workspace] = {}
 _RETIRED: List[Workspace] = []      # outgrown, kept: freeing symmetric memory is not this op's call
 _SIDE: Dict[int, "torch.cuda.Stream"] = {}
-_USABLE: Dict[str, bool] = {}
+_USABLE: Dict[Tuple[str, Tuple[int, ...]], bool] = {}
+
+
+def _key(group_name: str, pg) -> Tuple[str, Tuple[int, ...]]:
+    import torch.distributed as dist
+
+    return getattr(pg, "group_name", group_name), tuple(dist.get_process_group_ranks(pg))
 
 
 def workspace(group_name: str, pg, nbytes: int, device: torch.device) -> Workspace:
-    ws = _WORKSPACES.get(group_name)
+    key = _key(group_name, pg)
+    ws = _WORKSPACES.get(key)
     if ws is None or ws.nbytes < nbytes:
         if ws is not None:
             _RETIRED.append(ws)
-        ws = _WORKSPACES[group_name] = Workspace(pg, max(nbytes, ws.nbytes if ws else 0), device)
+        ws = _WORKSPACES[key] = Workspace(pg, max(nbytes, ws.nbytes if ws else 0), device)
     ws.take_half()
     return ws
 
@@ -157,7 +167,8 @@ def usable(x: Tensor, pg, group_name: str) -> bool:
     group, and symmetric memory that rendezvous (tried once per group)."""
     if not x.is_cuda or pg is None:
         return False
-    if group_name not in _USABLE:
+    key = _key(group_name, pg)
+    if key not in _USABLE:
         import torch.distributed as dist
         try:
             ok = dist.get_backend(pg) == "nccl"
@@ -165,8 +176,8 @@ def usable(x: Tensor, pg, group_name: str) -> bool:
                 workspace(group_name, pg, 1 << 20, x.device)
         except Exception:       # no symmetric memory here (driver, build): NCCL serves
             ok = False
-        _USABLE[group_name] = ok
-    return _USABLE[group_name]
+        _USABLE[key] = ok
+    return _USABLE[key]
 
 
 def seq_view(t: Tensor, dim: int, world: int, q: int) -> Tensor:
@@ -198,7 +209,7 @@ def ring_gather(x: Tensor, dim: int, world: int, pg, group_name: str):
     shape[dim] *= world
     gathered = x.new_empty(shape)
     ws = workspace(group_name, pg, x.numel() * x.element_size(), x.device)
-    main, side = torch.cuda.current_stream(), side_stream(x.device)
+    main, side = torch.cuda.current_stream(x.device), side_stream(x.device)
     rank = ws.rank
     side.wait_stream(main)
     whole = Blocks(0, x.numel(), 0, x.numel(), x.numel(), 1)
@@ -234,7 +245,7 @@ def ring_scatter(like: Tensor, full: List[int], dim: int, world: int, pg, group_
     part_shape = [math.prod(shape[:dim]), math.prod(shape[dim:-1]), shape[-1]]
     per = math.prod(part_shape)
     ws = workspace(group_name, pg, max(world - 1, 1) * per * like.element_size(), like.device)
-    main, side = torch.cuda.current_stream(), side_stream(like.device)
+    main, side = torch.cuda.current_stream(like.device), side_stream(like.device)
     rank = ws.rank
     stage = like.new_empty([world] + part_shape)
     piece = Blocks(0, per, 0, per, per, 1)
@@ -249,6 +260,11 @@ def ring_scatter(like: Tensor, full: List[int], dim: int, world: int, pg, group_
     with torch.cuda.stream(side):
         torch.sum(stage, dim=0, out=out.view(part_shape))
 
-    def wait_all():
-        main.wait_stream(side)      # before ``stage`` is freed: main may reuse its memory next
+    def wait_all(stage=stage):
+        # ``stage`` lives until here: freed when this function returned, the allocator would
+        # hand its memory to the caller's next tensor on the main stream (the weight
+        # gradients, in the linears' backward) while the side stream still pulls into it and
+        # sums it. (That race, found by end_to_end.py --check at tp2, gave wrong gradients.)
+        main.wait_stream(side)
     return out, wait_all
+
