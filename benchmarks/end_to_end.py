@@ -44,7 +44,8 @@ number of processes):
   fxmegatron's optimizer (``fxmegatron.optim.FusedAdamW``: the same AdamW on fp32 masters in
   one pass, the clip's scale folded in) instead of the shared one; ``-ovN``: sequence
   parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
-  (``tp_comm_overlap=N``), moved by the copy engines where the group has symmetric memory
+  (``tp_comm_overlap=N``; over copy engines, the tp ranks' sequence slices, whatever N),
+  moved by the copy engines where the group has symmetric memory
   (``-ce``: insist on it) or by NCCL (``-nccl``): ``tp_comm_transport``.
 - ``-mN`` on eager/compile/native-tpN: gradient accumulation over N microbatches.
 

@@ -395,7 +395,9 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     ``fxmegatron.overlapped_linear``). ``tp_comm_transport``: what moves those pieces:
     "copy_engine" (the GPU's copy engines, through symmetric memory: no SMs taken from the
     matmuls; ``fxmegatron.copy_engine``), "nccl" (the process group's collectives), or
-    "auto" (copy engines where the group has them, else the process group).
+    "auto" (copy engines where the group has them, else the process group). Over copy
+    engines the pieces are the tp ranks' sequence slices instead (a ring that starts
+    with the rank's own slice), whatever the number of pieces asked for.
     ``compile``: each rank's graph (or pipeline chunk) goes to torch.compile after the passes
     (True, or a torch.compile mode string); inductor then generates the kernels.
     Weights come from ``state_dict``, else from the model, else (meta model) are
