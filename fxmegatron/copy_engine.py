@@ -155,7 +155,7 @@ def workspace(group_name: str, pg, nbytes: int, device: torch.device) -> Workspa
 
 def side_stream(device: torch.device):
     """The stream the pulls run on. One: on a stream per peer the ops ran slower on four H200s
-    (benchmarks/tp_overlap_ops.py: 0.4-0.7 ms more per op), though the copies ran at once."""
+    (benchmarks/tp_overlap_ops.py: 0.3-0.7 ms more per op forward), though the copies ran at once."""
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _SIDE:
         _SIDE[i] = torch.cuda.Stream(device=i)
