@@ -1,6 +1,6 @@
 """Generated elementwise kernels against eager PyTorch and torch.compile, bf16, on one GPU.
 
-    python benchmarks/fused_kernels.py [--sweep]
+    python benchmarks/fused_kernels.py [--sweep] [--graphs]
 
 Shapes: gpt1.3b (micro-batch 8, s 2048, h 2048, 16 heads): bias + GeLU (tanh and erf) on
 the MLP's 4h, bias + dropout(0.1) + residual on h, scale + mask on the attention scores;
@@ -10,6 +10,9 @@ fp32 and its outputs and input gradients compared with eager's. Bandwidth counts
 must move (every input read once, every output written once; in backward the saved
 inputs and the incoming gradient read, the input gradients written) against a measured
 device-to-device copy. ``--sweep`` also times other tile shapes and prints the best.
+``--graphs`` adds a second fwd+bwd row per chain timed by replaying a CUDA graph of the step
+(``triton.testing.do_bench_cudagraph``): the GPU time of each version's kernels, without
+the Python autograd and launch time that bounds the smaller chains' ordinary row.
 """
 import argparse
 import os
@@ -41,6 +44,20 @@ def bench(fn):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def bench_graph(fn):
+    """ms per replay of a CUDA graph of ``fn`` (captured after warm-up calls); None where the
+    step cannot be captured (a host sync inside, say)."""
+    from triton.testing import do_bench_cudagraph
+    try:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:       # report, do not stop the table
+        print(f"    (CUDA graph capture failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        return None
+
+
 def fp32_error(ref, fused, shape, dev, gen):
     """Largest |fused - eager| over forward and input gradients, both in fp32 (relative to
     each tensor's largest magnitude); None for chains with dropout (their masks differ)."""
@@ -64,6 +81,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--graphs", action="store_true", help="also time fwd+bwd as CUDA graph replays")
     args = ap.parse_args()
     dev = "cuda"
     big = torch.empty(2**28, dtype=torch.bfloat16, device=dev).normal_()
@@ -107,6 +125,11 @@ def main():
         both = fwd_bytes + bwd_bytes
         print(f"{label:26s} {'fwd+bwd':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
               f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
+        if args.graphs:
+            te, tc, tf = (bench_graph(step(f)) for f in (ref.eager, compiled, fused.apply))
+            if None not in (te, tc, tf):
+                print(f"{label:26s} {'graphed':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
+                      f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
         err = fp32_error(ref, fused, (max(1, shape[0] // 8),) + shape[1:], dev, gen)
         if err is not None:
             print(f"{'':26s} fp32 fwd+bwd vs eager: max error {err:.1e} (relative to each tensor's max)", flush=True)
