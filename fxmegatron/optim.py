@@ -300,9 +300,61 @@ class FusedAdamW:
 
     @property
     def state(self) -> Dict[Tensor, dict]:
-        """Per parameter: {"step", "exp_avg", "exp_avg_sq", "master"} (views; not a copy)."""
-        return {p: {"step": self.steps[i], "exp_avg": self.exp_avgs[i], "exp_avg_sq": self.exp_avg_sqs[i],
-                    "master": self.masters[i]} for i, p in enumerate(self.params)}
+        """Per parameter: {"step" (a 0-d float tensor, as torch keeps it), "exp_avg",
+        "exp_avg_sq", "master"} (views of the optimizer's buffers; not a copy)."""
+        return {p: {"step": torch.tensor(float(self.steps[i])), "exp_avg": self.exp_avgs[i],
+                    "exp_avg_sq": self.exp_avg_sqs[i], "master": self.masters[i]}
+                for i, p in enumerate(self.params)}
+
+    @property
+    def param_groups(self) -> List[dict]:
+        """One group, in ``torch.optim``'s form (what ``fxmegatron.checkpoint`` reads); built
+        on each access from the attributes, so setting ``opt.lr`` is what changes the rate."""
+        return [{"params": list(self.params), "lr": self.lr, "betas": self.betas, "eps": self.eps,
+                 "weight_decay": self.weight_decay}]
+
+    def state_dict(self) -> dict:
+        """``torch.optim``'s form: {"state": {index: per-parameter state, copied}, "param_groups":
+        [hyperparameters, "params": indices]}."""
+        state = {i: {k: v.detach().clone() for k, v in st.items()} for i, st in enumerate(self.state.values())}
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {"state": state, "param_groups": [{**group, "params": list(range(len(self.params)))}]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what ``state_dict`` returned (or ``fxmegatron.checkpoint`` reassembled): moments,
+        step counts, fp32 masters and hyperparameters. A parameter whose state holds no
+        "master" (a checkpoint of another optimizer) takes its master from its current value;
+        one with no state at all starts afresh, as in torch."""
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
+            raise ValueError(f"FusedAdamW.load_state_dict: expected one parameter group of {len(self.params)} "
+                             f"parameters, got {[len(g['params']) for g in groups]}")
+        g = groups[0]
+        self.lr, self.eps, self.weight_decay = g.get("lr", self.lr), g.get("eps", self.eps), \
+            g.get("weight_decay", self.weight_decay)
+        self.betas = tuple(g.get("betas", self.betas))
+        self.reload_masters()
+        for i, idx in enumerate(g["params"]):
+            st = state_dict.get("state", {}).get(idx)
+            if not st:
+                self.steps[i] = 0
+                self.exp_avgs[i].zero_()
+                self.exp_avg_sqs[i].zero_()
+                continue
+            for field, buf in (("exp_avg", self.exp_avgs[i]), ("exp_avg_sq", self.exp_avg_sqs[i]),
+                               ("master", self.masters[i])):
+                if field not in st:
+                    if field == "master":
+                        continue
+                    raise ValueError(f"FusedAdamW.load_state_dict: parameter {i} has no {field!r} in its state")
+                t = _local(st[field]) if _is_dtensor(st[field]) else st[field]
+                if tuple(t.shape) != self.shapes[i]:
+                    raise ValueError(f"FusedAdamW.load_state_dict: parameter {i}'s {field} has shape "
+                                     f"{tuple(t.shape)}, expected {self.shapes[i]}")
+                buf.copy_(t)
+            step = st.get("step", 0)
+            self.steps[i] = int(step.item() if torch.is_tensor(step) else step)
 
     # ---- the step ----------------------------------------------------------------------------
     def _grad(self, i: int) -> Optional[Tensor]:

@@ -56,6 +56,17 @@ def test_resume_with_dropout_is_bitwise(tmp_path):
     assert a + b == straight
 
 
+def test_resume_with_fused_adamw_is_bitwise(tmp_path):
+    """FusedAdamW's fp32 masters, moments and step counts go into the checkpoint and come back."""
+    d = str(tmp_path / "ck")
+    straight = run_distributed(ckpt_run, 2, (1, 1, 2), 4, 0, None, None, 0.0, "gpt", 2, True)[0]
+    a = run_distributed(ckpt_run, 2, (1, 1, 2), 2, 0, None, d, 0.0, "gpt", 2, True)[0]
+    b = run_distributed(ckpt_run, 2, (1, 1, 2), 2, 2, d, None, 0.0, "gpt", 2, True)[0]
+    assert a + b == straight
+    index = json.load(open(os.path.join(d, "index.json")))
+    assert index["param_groups"][0]["lr"] == 1e-3
+
+
 def test_unfinished_save_is_refused(tmp_path, saved):
     d, _ = saved
     partial = tmp_path / "partial"

@@ -130,3 +130,33 @@ def test_errors():
     ok.grad = torch.randn(4)
     with pytest.raises(ValueError, match=r"parameter 0's gradient is torch.float32\[4\]"):
         opt.step()
+
+
+def test_state_dict_round_trip(monkeypatch):
+    """A second optimizer loaded from the first's state_dict takes the same next step, exactly;
+    the state_dict holds copies, and bad input is refused by name."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+    params, _, _, opt = _run(dtypes, [0.5, 0.25, 0.8])
+    sd = opt.state_dict()
+    assert [int(st["step"]) for st in sd["state"].values()] == opt.steps == [3, 3, 2, 3]
+    assert sd["state"][1]["exp_avg"].data_ptr() != opt.exp_avgs[1].data_ptr()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    other = FusedAdamW(twins, lr=0.5)                   # hyperparameters come from the state_dict
+    other.load_state_dict(sd)
+    assert (other.lr, other.betas, other.weight_decay) == (LR, BETAS, WD)
+    g = torch.Generator().manual_seed(7)
+    grads = [torch.randn(s, generator=g).to(dt) for s, dt in zip(SHAPES, dtypes)]
+    for o, ps in ((opt, params), (other, twins)):
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        o.step()
+    for a, b, ma, mb in zip(params, twins, opt.masters, other.masters):
+        assert torch.equal(a, b) and torch.equal(ma, mb)
+    assert other.steps == [4, 4, 3, 4]
+    with pytest.raises(ValueError, match="one parameter group of 4 parameters"):
+        other.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
+    bad = opt.state_dict()
+    bad["state"][0]["exp_avg"] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"parameter 0's exp_avg has shape \(5,\), expected \(37,\)"):
+        other.load_state_dict(bad)

@@ -219,9 +219,10 @@ def dp_overlap_and_zero(rank, world, steps=3):
 
 
 def ckpt_run(rank, world, layout, steps, first_step=0, load_dir=None, save_dir=None, dropout=0.0,
-             name="gpt", microbatches=2):
-    """Train ``steps`` AdamW steps at layout (dp, pp, tp) from step ``first_step`` (batches are
-    seeded by the step), loading from / saving to a checkpoint; returns the losses (floats)."""
+             name="gpt", microbatches=2, fused_adam=False):
+    """Train ``steps`` AdamW steps (``fused_adam``: fxmegatron's FusedAdamW) at layout (dp, pp,
+    tp) from step ``first_step`` (batches are seeded by the step), loading from / saving to a
+    checkpoint; returns the losses (floats)."""
     import fxmegatron
     from fxmegatron import checkpoint
 
@@ -230,7 +231,11 @@ def ckpt_run(rank, world, layout, steps, first_step=0, load_dir=None, save_dir=N
     model = models.build(name, dropout=dropout, n_layer=4)
     pm = fxmegatron.parallelize(model, mesh, models.batch(name, batch_size=8), seed=3,
                                 microbatches=microbatches if pp > 1 else 1)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    if fused_adam:
+        from fxmegatron.optim import FusedAdamW
+        opt = FusedAdamW(pm.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     if load_dir:
         checkpoint.load(pm, opt, load_dir)
     losses = []
