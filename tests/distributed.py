@@ -1,4 +1,4 @@
-"""Run a function on N gloo processes and collect what each returns."""
+"""Run a function on N gloo (or NCCL, one GPU each) processes and collect what each returns."""
 import os
 import pickle
 import sys
@@ -10,10 +10,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world, fn, args, tmp):
+def _worker(rank, world, fn, args, tmp, backend="gloo"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     try:
         result = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # report to the parent, which re-raises
@@ -27,10 +29,11 @@ def _worker(rank, world, fn, args, tmp):
     os._exit(0)
 
 
-def run_distributed(fn, world, *args):
-    """``fn(rank, world, *args)`` on ``world`` gloo processes; returns the list of results."""
+def run_distributed(fn, world, *args, backend="gloo"):
+    """``fn(rank, world, *args)`` on ``world`` processes (``backend`` "nccl": rank r on GPU r);
+    returns the list of results."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, fn, args, tmp), nprocs=world, join=True,
+        mp.start_processes(_worker, args=(world, fn, args, tmp, backend), nprocs=world, join=True,
                            start_method="spawn")
         results = []
         for r in range(world):

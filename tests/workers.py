@@ -1,4 +1,4 @@
-"""Functions run on each gloo process by the multi-process tests (importable by spawn)."""
+"""Functions run on each gloo (or NCCL) process by the multi-process tests (importable by spawn)."""
 import copy
 
 import torch
@@ -336,3 +336,41 @@ def pipeline_boundaries(rank, world, name="gpt", n_layer=4):
                                 models.batch(name, batch_size=4), sequence_parallel=True, microbatches=2,
                                 virtual_stages=2, schedule="interleaved")
     return [len(c.boundary_out) for c in pm._pipeline.chunks]
+
+
+def copy_engine_vs_nccl(rank, world):
+    """The overlapped linears over copy engines against the same ops over NCCL, fp32, forward
+    and backward: the gather with three linears of one input (biases; the backward's weight
+    gradients are allocated while the reduce-scatter still runs on the side stream) and the
+    reduce-scatter; twice in a row, so the second round runs in the other buffer half.
+    Returns (whether the group has symmetric memory, the largest relative difference)."""
+    import torch.distributed as dist
+
+    from fxmegatron import copy_engine
+    from fxmegatron.overlapped_linear import gathered_linears, scattered_linear
+
+    pg = dist.group.WORLD
+    name = pg.group_name
+    B, S, H = 3, 8 * world, 32
+    g = torch.Generator().manual_seed(rank)
+    x0 = torch.randn(B, S // world, H, generator=g).cuda()
+    ws0 = [torch.randn(H // world, H, generator=g).cuda() for _ in range(3)]
+    bs0 = [torch.randn(H // world, generator=g).cuda() for _ in range(3)]
+    w20 = torch.randn(H, H // world, generator=g).cuda()
+    usable = copy_engine.usable(x0, pg, name)
+
+    def run(transport):
+        x = x0.clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in ws0]
+        bs = [b.clone().requires_grad_() for b in bs0]
+        w2 = w20.clone().requires_grad_()
+        y = None
+        for _ in range(2):
+            q, k, v = gathered_linears(x if y is None else y, ws, bs, 1, world, name, 4, transport)
+            y = scattered_linear(torch.tanh(q) * k + v, w2, 1, world, name, 4, transport)
+        y.pow(2).sum().backward()
+        return [y.detach(), x.grad, w2.grad] + [t.grad for t in ws + bs]
+
+    ref, got = run("nccl"), run("copy_engine" if usable else "nccl")
+    err = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref))
+    return usable, err
