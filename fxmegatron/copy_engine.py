@@ -225,11 +225,13 @@ def ring_gather(x: Tensor, dim: int, world: int, pg, group_name: str):
     copy2d(gathered, x, blocks(tuple(shape), dim, world, rank), side)
 
     def pieces():
-        yield rank, x.view(seq_view(gathered, dim, world, rank).shape)
-        for q in order[1:]:
-            main.wait_event(landed[q])
-            yield q, seq_view(gathered, dim, world, q)
-        main.wait_stream(side)
+        try:
+            yield rank, x.view(seq_view(gathered, dim, world, rank).shape)
+            for q in order[1:]:
+                main.wait_event(landed[q])
+                yield q, seq_view(gathered, dim, world, q)
+        finally:    # also when the consumer stops early: ``gathered`` and ``x`` outlive the copies
+            main.wait_stream(side)
     return gathered, pieces()
 
 
