@@ -1,6 +1,6 @@
 """Generated elementwise kernels against eager PyTorch and torch.compile, bf16, on one GPU.
 
-    python benchmarks/fused_kernels.py [--sweep] [--graphs]
+    python benchmarks/fused_kernels.py [--sweep] [--graphs] [--trials K] [--no-hints-too] [--only CHAIN]
 
 Shapes: gpt1.3b (micro-batch 8, s 2048, h 2048, 16 heads): bias + GeLU (tanh and erf) on
 the MLP's 4h, bias + dropout(0.1) + residual on h, scale + mask on the attention scores;
@@ -13,6 +13,8 @@ device-to-device copy. ``--sweep`` also times other tile shapes and prints the b
 ``--graphs`` adds a second fwd+bwd row per chain timed by replaying a CUDA graph of the step
 (``triton.testing.do_bench_cudagraph``): the GPU time of each version's kernels, without
 the Python autograd and launch time that bounds the smaller chains' ordinary row.
+``--trials K`` takes each time as the median of K rounds in which the versions take turns.
+``--no-hints-too`` times the fused kernels once more without their eviction hints.
 """
 import argparse
 import os
@@ -42,6 +44,16 @@ FLAT_SWEEP = [(1, bn, w) for bn in (512, 1024, 2048, 4096, 8192) for w in (2, 4,
 def bench(fn):
     from triton.testing import do_bench
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def medians(fns, timer, trials):
+    """Each fn's median time over ``trials`` rounds, the fns taking turns within a round (so a
+    drift in clock or temperature falls on all of them alike)."""
+    runs = [[] for _ in fns]
+    for _ in range(trials):
+        for r, fn in zip(runs, fns):
+            r.append(timer(fn))
+    return [None if None in r else sorted(r)[len(r) // 2] for r in runs]
 
 
 def bench_graph(fn):
@@ -82,6 +94,10 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="")
     ap.add_argument("--graphs", action="store_true", help="also time fwd+bwd as CUDA graph replays")
+    ap.add_argument("--trials", type=int, default=1,
+                    help="time each version this many times in turn and take the median")
+    ap.add_argument("--no-hints-too", action="store_true",
+                    help="also time the fused kernels without their eviction hints (an A/B row)")
     args = ap.parse_args()
     dev = "cuda"
     big = torch.empty(2**28, dtype=torch.bfloat16, device=dev).normal_()
@@ -106,9 +122,8 @@ def main():
         fwd_bytes = nbytes(data) + nbytes([g])
         bwd_bytes = nbytes(data) + nbytes([g]) + nbytes([x for x in xs if x.requires_grad])
         with torch.no_grad():
-            te = bench(lambda: ref.eager(*xs))
-            tc = bench(lambda: compiled(*xs))
-            tf = bench(lambda: fused.forward(*xs))
+            te, tc, tf = medians([lambda: ref.eager(*xs), lambda: compiled(*xs), lambda: fused.forward(*xs)],
+                                 bench, args.trials)
         print(f"{label:26s} {'forward':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {fwd_bytes / tf / 1e6:10.0f} "
               f"{fwd_bytes / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
 
@@ -119,17 +134,23 @@ def main():
                 for x in xs:
                     x.grad = None
             return run
-        te = bench(step(ref.eager))
-        tc = bench(step(compiled))
-        tf = bench(step(fused.apply))
+        te, tc, tf = medians([step(ref.eager), step(compiled), step(fused.apply)], bench, args.trials)
         both = fwd_bytes + bwd_bytes
         print(f"{label:26s} {'fwd+bwd':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
               f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
         if args.graphs:
-            te, tc, tf = (bench_graph(step(f)) for f in (ref.eager, compiled, fused.apply))
+            te, tc, tf = medians([step(ref.eager), step(compiled), step(fused.apply)], bench_graph, args.trials)
             if None not in (te, tc, tf):
                 print(f"{label:26s} {'graphed':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
                       f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
+        if args.no_hints_too:
+            fused.keep_reused = False
+            with torch.no_grad():
+                tn = bench(lambda: fused.forward(*xs))
+            tg = bench_graph(step(fused.apply)) if args.graphs else bench(step(fused.apply))
+            fused.keep_reused = True
+            print(f"{'':26s} no eviction hints: forward {tn:.4f} ms ({fwd_bytes / tn / 1e6 / copy_bw:.0%} of copy), "
+                  f"fwd+bwd{' graphed' if args.graphs else ''} {'n/a' if tg is None else f'{tg:.4f}'} ms", flush=True)
         err = fp32_error(ref, fused, (max(1, shape[0] // 8),) + shape[1:], dev, gen)
         if err is not None:
             print(f"{'':26s} fp32 fwd+bwd vs eager: max error {err:.1e} (relative to each tensor's max)", flush=True)

@@ -220,3 +220,19 @@ def test_erf_gelu_prints_one_plus_erf_and_keeps_its_negative_tail():
     zero = (x + 0.7518).abs() < 0.05      # where the derivative crosses zero: absolute error
     assert ((dx - dwant).abs() / dwant.abs().clamp_min(1e-30))[~zero].max().item() <= 5e-5
     assert (dx - dwant)[zero].abs().max().item() <= 1e-7
+
+
+def test_broadcast_inputs_and_only_they_are_kept_in_cache():
+    """Rotary's cos/sin tables are read by every program: their loads carry evict_last (as
+    inductor's do); q, a read-once input, carries no hint; keep_reused=False drops them."""
+    ref = REFERENCE_CHAINS["rotary"]
+    shapes = [(2, 4, 8, 16), (2, 1, 8, 16), (2, 1, 8, 16)]
+    loads = [ln for ln in FusedChain(ref.chain, ref.kinds, shapes).fwd_src.splitlines() if "tl.load(" in ln]
+    hinted = {ln.split("=")[0].strip() for ln in loads if "evict_last" in ln}
+    assert hinted == {"x1", "x2"}, loads
+    plain = FusedChain(ref.chain, ref.kinds)
+    plain.keep_reused = False
+    plain._example = plain._layout(shapes)
+    assert "eviction_policy" not in plain.fwd_src + plain.bwd_src
+    bias = REFERENCE_CHAINS["bias_gelu_tanh"]
+    assert "eviction_policy" not in FusedChain(bias.chain, bias.kinds).fwd_src
