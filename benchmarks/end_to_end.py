@@ -35,12 +35,13 @@ number of processes):
   output is cut to the rank's sequence shard (Megatron's way); each Block is wrapped in
   ``torch.compile``. Attention runs on the local heads (a forward that views
   ``(B, T, -1, head_dim)``: the same math).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile][-nosp][-rsel|-rfull][-fadam][-ovN][-nccl|-ce]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-fadam][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device. tp > 1 turns sequence parallelism on (``-nosp``: off); ``-vN`` virtual
   stages (interleaved 1F1B); ``-mN`` microbatches (default: --microbatches, 8, when pp > 1,
   else 1); ``-fuse``: generated Triton kernels; ``-compile``: each rank's graph (or
-  pipeline chunk) through torch.compile; ``-rsel``/``-rfull``: recomputation; ``-fadam``:
+  pipeline chunk) through torch.compile (``-cgraphs``: its mode "reduce-overhead", CUDA graphs;
+  ``-autotune``: "max-autotune-no-cudagraphs"); ``-rsel``/``-rfull``: recomputation; ``-fadam``:
   fxmegatron's optimizer (``fxmegatron.optim.FusedAdamW``: the same AdamW on fp32 masters in
   one pass, the clip's scale folded in) instead of the shared one; ``-ovN``: sequence
   parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
@@ -151,7 +152,7 @@ class Layout:
     schedule: Optional[str] = None
     sp: bool = True
     fuse: bool = False
-    compile: bool = False
+    compile: object = False     # False, True or a torch.compile mode
     recompute: str = "none"
     fadam: bool = False
     overlap: int = 0
@@ -187,7 +188,9 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
         elif head == "fx" and tok == "fuse":
             lay.fuse = True
         elif head == "fx" and tok == "compile":
-            lay.compile = True
+            lay.compile = lay.compile or True
+        elif head == "fx" and tok in ("cgraphs", "autotune"):
+            lay.compile = {"cgraphs": "reduce-overhead", "autotune": "max-autotune-no-cudagraphs"}[tok]
         elif head == "fx" and tok == "nosp":
             lay.sp = False
         elif head == "fx" and tok == "fadam":
@@ -464,7 +467,7 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops):
+def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile=True):
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
     job = BUILDERS[lay.kind](lay, cfg, dev, dtype, ids, labels, meshes=meshes, ref_state=ref_state)
@@ -512,7 +515,7 @@ def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_
     step_s = times[len(times) // 2]
 
     prof = None
-    if not args.no_profile:
+    if profile and not args.no_profile:
         prof = profiled_step(step, lay, args, dev, rank)
 
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0],
@@ -571,14 +574,14 @@ def profiled_step(step, lay, args, dev, rank):
     return out
 
 
-def run_guarded(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops):
+def run_guarded(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile=True):
     """run_layout, with every rank learning whether any rank failed."""
     rank = dist.get_rank()
     row, err, tb = None, None, None
     if args.hang_dump:     # a layout that hangs (in a collective, say) shows where, every rank
         faulthandler.dump_traceback_later(args.hang_dump, exit=False)
     try:
-        row = run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops)
+        row = run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile)
     except Exception as exc:    # noqa: BLE001 -- an OOM or a framework error becomes an "error" row
         err = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
         tb = traceback.format_exc()
@@ -704,6 +707,9 @@ def parse_args(argv=None):
     ap.add_argument("--layouts", default="eager,compile,fx")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the layouts this many times, every other round in reverse order; a row's step "
+                         "time is the median over all its rounds' timed steps")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="model parameters (default bfloat16; float32 with --check)")
@@ -744,8 +750,8 @@ def main(argv=None):
     problems = []
     if args.check and args.dtype != "float32":
         problems.append(f"--check compares losses to {CHECK_RTOL} relative: use --dtype float32")
-    if args.steps < 1 or args.warmup < 0:
-        problems.append("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        problems.append("--steps and --rounds must be >= 1 and --warmup >= 0")
     if args.hidden % args.heads:
         problems.append(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     layouts = []
@@ -824,23 +830,32 @@ def bench(args, cfg, layouts, dev, launcher, lead, world):
             print(f"check: plain model's first losses {[round(x, 6) for x in ref_losses]}, first gradient norm "
                   f"{ref_norm:.6g}", flush=True)
 
-    rows = []
-    for lay in layouts:
-        row = run_guarded(lay, cfg, args, dev, dtype, ids, labels, meshes,
-                          ref_state if lay.kind == "fx" else None, peak_tflops)
-        rows.append(row)
-        if lead:
-            if "error" in row:
-                print(f"{lay.name}: error: {row['error']}", flush=True)
-            else:
-                print(f"{lay.name}: {row['step_ms']:.1f} ms/step, loss {row['loss_first']:.4f} -> "
-                      f"{row['loss_last']:.4f} (build {row['build_s']:.1f} s, warm-up {row['warmup_s']:.1f} s)",
-                      flush=True)
+    runs = {lay.name: [] for lay in layouts}
+    for r in range(args.rounds):
+        # every other round backwards: each layout runs early and late alike, so a drift of the
+        # GPU's clock (it runs at its power limit) does not favour the layout that runs first
+        for lay in (layouts if r % 2 == 0 else layouts[::-1]):
+            row = run_guarded(lay, cfg, args, dev, dtype, ids, labels, meshes,
+                              ref_state if lay.kind == "fx" else None, peak_tflops, profile=r == args.rounds - 1)
+            runs[lay.name].append(row)
+            if lead:
+                tag = f"[round {r + 1}/{args.rounds}] " if args.rounds > 1 else ""
+                if "error" in row:
+                    print(f"{tag}{lay.name}: error: {row['error']}", flush=True)
+                else:
+                    print(f"{tag}{lay.name}: {row['step_ms']:.1f} ms/step, loss {row['loss_first']:.4f} -> "
+                          f"{row['loss_last']:.4f} (build {row['build_s']:.1f} s, warm-up {row['warmup_s']:.1f} s)",
+                          flush=True)
+    rows = [merge_rounds(runs[lay.name], args, cfg, world, peak_tflops) for lay in layouts]
 
     failed_check = False
     if lead:
         print()
         print_table(rows)
+        for r in rows:
+            if "step_ms_rounds" in r:
+                print(f"  {r['layout']}: each round's median " + " / ".join(f"{t:.1f}" for t in r["step_ms_rounds"])
+                      + " ms")
     if args.check:
         if lead:
             print(f"\ncheck against the plain model (losses of the first {len(ref_losses)} steps, gradient norm of the "
@@ -876,6 +891,25 @@ def bench(args, cfg, layouts, dev, launcher, lead, world):
     if failed_check:
         return 1
     return 1 if any("error" in r for r in rows) else 0
+
+
+def merge_rounds(rows, args, cfg, world, peak_tflops):
+    """One row from a layout's rounds: the median over all their timed steps, the last round's
+    profile, losses and memory; each round's own median in ``step_ms_rounds``."""
+    if len(rows) == 1 or any("error" in r for r in rows):
+        return next((r for r in rows if "error" in r), rows[-1])
+    row = dict(rows[-1])
+    steps = sorted(t for r in rows for t in r["step_ms_all"])
+    row["step_ms_all"] = steps
+    row["step_ms_rounds"] = [r["step_ms"] for r in rows]
+    row["step_ms"] = steps[len(steps) // 2]
+    step_s = row["step_ms"] / 1e3
+    row["tokens_per_s"] = args.global_batch * cfg.block_size / step_s
+    row["tflops_per_gpu"] = model_flops(args.global_batch, cfg.block_size, cfg.n_layer, cfg.n_embd,
+                                        cfg.vocab_size) / step_s / world / 1e12
+    row["mfu"] = row["tflops_per_gpu"] / peak_tflops if peak_tflops else None
+    row["peak_gib"] = max((r["peak_gib"] for r in rows if r["peak_gib"] is not None), default=None)
+    return row
 
 
 def _count_params(cfg: GPTConfig) -> int:

@@ -1,6 +1,6 @@
 """The GPU kernels of a chrome trace (``end_to_end.py --profile-dir``), summed by name.
 
-    python benchmarks/trace_kernels.py TRACE.json [--top 30]
+    python benchmarks/trace_kernels.py TRACE.json [--top 30] [--by-grid]
 
 Prints each kernel name's total time, count and share of all kernel time, largest first,
 then the totals by class (matmul, attention, communication, other): what a step spends
@@ -37,6 +37,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--by-grid", action="store_true",
+                    help="one line per kernel name and launch grid (tells apart the shapes of one matmul kernel)")
     args = ap.parse_args()
     events = load(args.trace)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
@@ -44,14 +46,17 @@ def main():
     count = collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel":
-            total[e["name"]] += e.get("dur", 0.0)
-            count[e["name"]] += 1
+            key = e["name"]
+            if args.by_grid:
+                key = f"{key} grid={e.get('args', {}).get('grid')}"
+            total[key] += e.get("dur", 0.0)
+            count[key] += 1
     every = sum(total.values())
     if not every:
         sys.exit(f"{args.trace}: no kernel events")
     print(f"{'ms':>8s} {'share':>6s} {'count':>6s}  kernel")
     for name, us in total.most_common(args.top):
-        print(f"{us / 1e3:8.2f} {us / every:6.1%} {count[name]:6d}  {name[:110]}")
+        print(f"{us / 1e3:8.2f} {us / every:6.1%} {count[name]:6d}  {name[:170]}")
     by_class = collections.Counter()
     for name, us in total.items():
         by_class[kernel_class(name)] += us

@@ -20,3 +20,25 @@ def test_benchmark_layouts_match_the_plain_model():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "check: passed" in out.stdout
     assert out.stdout.count(" ok") >= 5, out.stdout[-2000:]
+
+
+def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path):
+    """--rounds 2: round 1 runs the layouts in the given order, round 2 backwards; a row's
+    step time is the median of all its rounds' timed steps, and each round's median is kept."""
+    import json
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "examples")]))
+    path = tmp_path / "rows.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "end_to_end.py"), "--tiny", "--device", "cpu",
+           "--dtype", "float32", "--check", "--no-profile", "--steps", "2", "--warmup", "1", "--layers", "2",
+           "--layouts", "eager,fx", "--rounds", "2", "--json", str(path)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    order = [line.split("]")[1].split(":")[0].strip() for line in out.stdout.splitlines() if line.startswith("[round")]
+    assert order == ["eager", "fx", "fx", "eager"], order
+    rows = {r["layout"]: r for r in json.load(open(path))["rows"]}
+    for r in rows.values():
+        steps = r["step_ms_all"]
+        assert len(steps) == 4 and len(r["step_ms_rounds"]) == 2
+        assert r["step_ms"] == sorted(steps)[2]
+        assert abs(r["tokens_per_s"] - 16 * 64 / (r["step_ms"] / 1e3)) < 1e-6 * r["tokens_per_s"]
+        assert r["check"]["ok"]
