@@ -36,7 +36,8 @@ CASES = [("gpt1.3b bias+GeLU(tanh)", "bias_gelu_tanh", (B * S, 8192)),
          ("gpt1.3b scale+mask", "scale_mask_fill", (B, 16, S, S)),
          ("llama8b SiLU*mul", "swiglu", (B * S, 14336)),
          ("llama8b rotary q", "rotary", (B, 32, S, 128))]
-SWEEP = [(tile // bn, bn, w) for bn in (64, 128, 256, 512, 1024) for tile in (2048, 4096, 8192) for w in (4, 8)]
+SWEEP = [(tile // bn, bn, w) for bn in (64, 128, 256, 512, 1024) for tile in (1024, 2048, 4096, 8192) for w in (2, 4, 8)
+         if tile >= bn]
 # chains of full-shape inputs run as one row of all their elements (``FusedChain.flat``)
 FLAT_SWEEP = [(1, bn, w) for bn in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8)]
 
@@ -92,7 +93,7 @@ def nbytes(ts):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--only", default="")
+    ap.add_argument("--only", default="", help="chains whose key contains one of these (a comma list)")
     ap.add_argument("--graphs", action="store_true", help="also time fwd+bwd as CUDA graph replays")
     ap.add_argument("--trials", type=int, default=1,
                     help="time each version this many times in turn and take the median")
@@ -110,7 +111,7 @@ def main():
           f"{'fused GB/s':>10s} {'% copy':>7s} {'vs compile':>10s}")
     gen = torch.Generator().manual_seed(0)
     for label, key, shape in CASES:
-        if args.only and args.only not in key:
+        if args.only and not any(o and o in key for o in args.only.split(",")):
             continue
         ref = REFERENCE_CHAINS[key]
         fused = FusedChain(ref.chain, ref.kinds)
@@ -124,8 +125,8 @@ def main():
         with torch.no_grad():
             te, tc, tf = medians([lambda: ref.eager(*xs), lambda: compiled(*xs), lambda: fused.forward(*xs)],
                                  bench, args.trials)
-        print(f"{label:26s} {'forward':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {fwd_bytes / tf / 1e6:10.0f} "
-              f"{fwd_bytes / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
+        print(f"{label:26s} {'forward':8s} {te:9.4f} {tc:10.4f} {tf:9.4f} {fwd_bytes / tf / 1e6:10.0f} "
+              f"{fwd_bytes / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.3f}x", flush=True)
 
         def step(f):
             def run():
@@ -136,13 +137,13 @@ def main():
             return run
         te, tc, tf = medians([step(ref.eager), step(compiled), step(fused.apply)], bench, args.trials)
         both = fwd_bytes + bwd_bytes
-        print(f"{label:26s} {'fwd+bwd':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
-              f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
+        print(f"{label:26s} {'fwd+bwd':8s} {te:9.4f} {tc:10.4f} {tf:9.4f} {both / tf / 1e6:10.0f} "
+              f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.3f}x", flush=True)
         if args.graphs:
             te, tc, tf = medians([step(ref.eager), step(compiled), step(fused.apply)], bench_graph, args.trials)
             if None not in (te, tc, tf):
-                print(f"{label:26s} {'graphed':8s} {te:9.3f} {tc:10.3f} {tf:9.3f} {both / tf / 1e6:10.0f} "
-                      f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.2f}x", flush=True)
+                print(f"{label:26s} {'graphed':8s} {te:9.4f} {tc:10.4f} {tf:9.4f} {both / tf / 1e6:10.0f} "
+                      f"{both / tf / 1e6 / copy_bw * 100:6.0f}% {tc / tf:9.3f}x", flush=True)
         if args.no_hints_too:
             fused.keep_reused = False
             with torch.no_grad():
