@@ -10,7 +10,6 @@ import argparse
 import collections
 import gzip
 import json
-import os
 import sys
 
 CLASSES = (  # first match wins; lower-case substrings of kernel names
