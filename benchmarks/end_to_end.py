@@ -521,12 +521,9 @@ def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0],
                         dtype=torch.float64, device=dev)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    flops = model_flops(args.global_batch, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.vocab_size)
-    tflops = flops / step_s / world / 1e12
     vals = [float(x) for x in losses]
     first_norm = _full(norms[0]).item() if norms else None
-    row = {"layout": lay.name, "step_ms": step_s * 1e3, "tokens_per_s": args.global_batch * cfg.block_size / step_s,
-           "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops if peak_tflops else None,
+    row = {"layout": lay.name, **rates(step_s, args, cfg, world, peak_tflops),
            "peak_gib": peak.item() if dev.type == "cuda" else None,
            "loss_first": vals[0], "loss_last": vals[-1], "losses": vals, "grad_norm_first": first_norm,
            "build_s": build_s, "warmup_s": warmup_s,
@@ -893,6 +890,14 @@ def bench(args, cfg, layouts, dev, launcher, lead, world):
     return 1 if any("error" in r for r in rows) else 0
 
 
+def rates(step_s, args, cfg, world, peak_tflops):
+    """A row's step time and what follows from it: tokens/s, model TFLOP/s per GPU, MFU."""
+    tflops = model_flops(args.global_batch, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.vocab_size) \
+        / step_s / world / 1e12
+    return {"step_ms": step_s * 1e3, "tokens_per_s": args.global_batch * cfg.block_size / step_s,
+            "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops if peak_tflops else None}
+
+
 def merge_rounds(rows, args, cfg, world, peak_tflops):
     """One row from a layout's rounds: the median over all their timed steps, the last round's
     profile, losses and memory; each round's own median in ``step_ms_rounds``."""
@@ -902,12 +907,7 @@ def merge_rounds(rows, args, cfg, world, peak_tflops):
     steps = sorted(t for r in rows for t in r["step_ms_all"])
     row["step_ms_all"] = steps
     row["step_ms_rounds"] = [r["step_ms"] for r in rows]
-    row["step_ms"] = steps[len(steps) // 2]
-    step_s = row["step_ms"] / 1e3
-    row["tokens_per_s"] = args.global_batch * cfg.block_size / step_s
-    row["tflops_per_gpu"] = model_flops(args.global_batch, cfg.block_size, cfg.n_layer, cfg.n_embd,
-                                        cfg.vocab_size) / step_s / world / 1e12
-    row["mfu"] = row["tflops_per_gpu"] / peak_tflops if peak_tflops else None
+    row.update(rates(steps[len(steps) // 2] / 1e3, args, cfg, world, peak_tflops))
     row["peak_gib"] = max((r["peak_gib"] for r in rows if r["peak_gib"] is not None), default=None)
     return row
 
