@@ -24,7 +24,8 @@ input, which torch.library refuses).
 
 Layouts (--layouts, a comma list; the product of the parallel sizes must equal the
 number of processes):
-- ``eager``: the plain model. ``compile``: ``torch.compile(model)``. One process only.
+- ``eager``: the plain model. ``compile``: ``torch.compile(model)`` (``compile-autotune``: mode
+  "max-autotune-no-cudagraphs", ``compile-cgraphs``: "reduce-overhead"). One process only.
 - ``native-tpN``: PyTorch's own tensor parallelism on DTensor
   (``parallelize_module``), torchtitan's Llama plan: wte RowwiseParallel (output
   Shard(1)), LayerNorms SequenceParallel, attention/MLP inputs PrepareModuleInput
@@ -189,7 +190,7 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.fuse = True
         elif head == "fx" and tok == "compile":
             lay.compile = lay.compile or True
-        elif head == "fx" and tok in ("cgraphs", "autotune"):
+        elif head in ("fx", "compile") and tok in ("cgraphs", "autotune"):
             lay.compile = {"cgraphs": "reduce-overhead", "autotune": "max-autotune-no-cudagraphs"}[tok]
         elif head == "fx" and tok == "nosp":
             lay.sp = False
@@ -313,7 +314,8 @@ def accumulate(fn, ids, labels, m, context=None):
 
 def build_eager(lay, cfg, dev, dtype, ids, labels, **_):
     model = plain_model(cfg, dev, dtype)
-    fn = torch.compile(model) if lay.kind == "compile" else model
+    mode = lay.compile if isinstance(lay.compile, str) else None
+    fn = torch.compile(model, mode=mode) if lay.kind == "compile" else model
     params = list(model.parameters())
     return Job(params, accumulate(fn, ids, labels, lay.m),
                lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), [model, fn])

@@ -42,3 +42,22 @@ def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path):
         assert r["step_ms"] == sorted(steps)[2]
         assert abs(r["tokens_per_s"] - 16 * 64 / (r["step_ms"] / 1e3)) < 1e-6 * r["tokens_per_s"]
         assert r["check"]["ok"]
+
+
+def test_layout_names_give_the_compile_mode():
+    """``-autotune``/``-cgraphs`` pick torch.compile's mode for the plain compile baseline and for
+    fxmegatron alike (the side-by-side row needs both in the same mode); an eager layout takes
+    neither."""
+    import pytest
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from end_to_end import parse_layout
+    finally:
+        sys.path.pop(0)
+    assert parse_layout("compile", 8).compile is False
+    assert parse_layout("compile-autotune", 8).compile == "max-autotune-no-cudagraphs"
+    assert parse_layout("compile-cgraphs", 8).compile == "reduce-overhead"
+    assert parse_layout("fx-compile-fadam-autotune", 8).compile == "max-autotune-no-cudagraphs"
+    assert parse_layout("fx-compile", 8).compile is True
+    with pytest.raises(ValueError, match="unknown part 'autotune' for a eager layout"):
+        parse_layout("eager-autotune", 8)
