@@ -22,7 +22,7 @@ Layout. Masters, ``m`` and ``v`` are each one flat fp32 buffer; parameter ``i`` 
 ``[offset_i, offset_i + numel_i)`` of each (offsets rounded up to 64 elements), and
 ``masters``/``exp_avgs``/``exp_avg_sqs`` are views of it in the parameter's shape.
 The gradients are separate tensors that autograd allocates, so the kernel is a
-multi-tensor apply: one launch for all parameters of one dtype, each program
+multi-tensor apply: one launch for the parameters of one group and dtype, each program
 owning a chunk of ``BLOCK * ITERS`` elements of one tensor. It reads its (tensor,
 chunk start) from a table built once on the device, and the addresses of that
 tensor's gradient and parameter from a table of ``data_ptr()``\\ s cast to pointers
@@ -53,7 +53,7 @@ on a GPU the ``.to(bfloat16)`` cast rounds to nearest even.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -183,10 +183,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _Group:
-    """The parameters of one dtype: one kernel launch."""
+    """The parameters of one parameter group and one dtype: one kernel launch."""
 
-    def __init__(self, dtype: torch.dtype, members: List[int]):
-        self.dtype, self.members = dtype, members
+    def __init__(self, group: int, dtype: torch.dtype, members: List[int]):
+        self.group, self.dtype, self.members = group, dtype, members
         self.chunks: Optional[Tensor] = None     # device tables, built at the first kernel step
         self.meta: Optional[Tensor] = None
         self.nchunks = 0
@@ -194,73 +194,98 @@ class _Group:
         self.table: Optional[Tensor] = None
 
 
-class FusedAdamW:
+def _check_hyper(g: dict, where: str) -> None:
+    lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"{where}lr must hold one number, got shape {tuple(lr.shape)}")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"{where}invalid learning rate {lr}")
+    if len(betas) != 2 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"{where}invalid betas {betas}: two numbers, each in [0, 1)")
+    if not 0.0 <= eps:
+        raise ValueError(f"{where}invalid eps {eps}")
+    if not 0.0 <= wd:
+        raise ValueError(f"{where}invalid weight_decay {wd}")
+
+
+class FusedAdamW(torch.optim.Optimizer):
     """AdamW on fp32 master copies of ``params``, one fused pass per step (module docstring).
 
-    ``params``: tensors (``nn.Parameter``\\ s; DTensors are updated through their local
-    shards), in float32, bfloat16 or float16, all on one device; those with
-    ``requires_grad=False`` are left out. The optimizer keeps an fp32 master copy of every
-    parameter (fp32 ones too), and ``m`` and ``v``: ``masters``, ``exp_avgs`` and
-    ``exp_avg_sqs`` are fp32 views in the parameters' shapes; ``steps`` the per-parameter step
-    counts. ``lr``, ``betas``, ``eps`` and ``weight_decay`` are attributes, read at each step
-    (a schedule may set ``opt.lr``).
+    A ``torch.optim.Optimizer``: ``params`` is an iterable of tensors or of parameter groups
+    (dicts with "params" and any of ``lr``, ``betas``, ``eps``, ``weight_decay``; the usual
+    way to exempt biases and norms from weight decay), and torch's LR schedulers drive it.
+    Each group's hyperparameters are read from ``param_groups`` at every step.
+
+    The parameters (``nn.Parameter``\\ s; DTensors are updated through their local shards) are
+    float32, bfloat16 or float16, all on one device; those with ``requires_grad=False`` are
+    left out. The optimizer keeps an fp32 master copy of every parameter (fp32 ones too), and
+    ``m`` and ``v``: ``masters``, ``exp_avgs`` and ``exp_avg_sqs`` are fp32 views in the
+    parameters' shapes, and ``steps`` the per-parameter step counts, all in ``params`` order
+    (the groups' parameters one after the other).
 
     ``step(grad_scale)`` multiplies every gradient by ``grad_scale`` (a 0-d tensor on the
     parameters' device, e.g. the clip coefficient ``min(1, max_norm / (norm + 1e-6))``; a
     Python number is accepted too), updates the masters and writes them, rounded, into the
-    parameters. Parameters whose ``.grad`` is None are skipped: their state and step count
-    are left as they are, as torch does. With ``set_grads_to_none`` (default) the step then
-    sets every parameter's ``.grad`` to None, which frees the gradients for the next
-    backward.
+    parameters. A callable in its place is a closure, as in torch: it is called (with grad
+    enabled) before the update and its result returned. Parameters whose ``.grad`` is None
+    are skipped: their state and step count are left as they are, as torch does. With
+    ``set_grads_to_none`` (default) the step then sets every parameter's ``.grad`` to None,
+    which frees the gradients for the next backward.
 
-    The parameters' values are read once, here: after changing them outside the optimizer
-    (loading a checkpoint), call ``reload_masters()``."""
+    The parameter set is fixed at construction (the fp32 state is one flat buffer):
+    ``add_param_group`` after it raises. The parameters' values are read once, here: after
+    changing them outside the optimizer (loading a checkpoint), call ``reload_masters()``."""
 
-    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, set_grads_to_none: bool = True):
         if isinstance(params, Tensor):
-            raise TypeError("params must be an iterable of tensors, not a tensor")
-        if not 0.0 <= lr:
-            raise ValueError(f"invalid learning rate {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
-        if not 0.0 <= eps:
-            raise ValueError(f"invalid eps {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"invalid weight_decay {weight_decay}")
-        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+            raise TypeError("params must be an iterable of tensors or of parameter groups, not a tensor")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        _check_hyper(defaults, "")
         self.set_grads_to_none = set_grads_to_none
+        self._built = False
+        super().__init__(params, defaults)     # torch's grouping, defaults and duplicate checks
+        self._built = True
 
         self.params: List[Tensor] = []
-        seen, device, first = set(), None, None
-        for i, p in enumerate(params):
-            if isinstance(p, dict):
-                raise ValueError("FusedAdamW takes one list of tensors: parameter groups are not supported")
-            if not isinstance(p, Tensor):
-                raise ValueError(f"parameter {i} is a {type(p).__name__}, not a tensor")
-            if not p.dtype.is_floating_point:    # checked first: such a tensor cannot require grad
-                raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW needs floating-point "
-                                 f"parameters ({', '.join(map(str, _DTYPES))})")
-            if not p.requires_grad:
-                continue
-            if id(p) in seen:
-                raise ValueError(f"parameter {i} appears more than once")
-            seen.add(id(p))
-            if p.dtype not in _DTYPES:
-                raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW supports "
-                                 f"{', '.join(map(str, _DTYPES))}")
-            loc = _local(p)
-            if device is None:
-                device, first = loc.device, i
-            elif loc.device != device:
-                raise ValueError(f"parameter {i} is on {loc.device} but parameter {first} on {device}: "
-                                 "FusedAdamW needs all parameters on one device")
-            if not loc.is_contiguous():
-                raise ValueError(f"parameter {i} (shape {tuple(loc.shape)}, stride {loc.stride()}) is not "
-                                 "contiguous: FusedAdamW updates the parameters' storage as flat arrays")
-            self.params.append(p)
+        self._group_of: List[int] = []
+        seen, device, first, i = set(), None, None, 0
+        for gi, g in enumerate(self.param_groups):
+            g["betas"] = tuple(g["betas"])
+            _check_hyper(g, f"parameter group {gi}: " if len(self.param_groups) > 1 else "")
+            keep, names = [], []
+            for k, p in enumerate(g["params"]):
+                if not p.dtype.is_floating_point:    # checked first: such a tensor cannot require grad
+                    raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW needs floating-point "
+                                     f"parameters ({', '.join(map(str, _DTYPES))})")
+                if p.requires_grad:
+                    if id(p) in seen:
+                        raise ValueError(f"parameter {i} appears more than once")
+                    seen.add(id(p))
+                    if p.dtype not in _DTYPES:
+                        raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW supports "
+                                         f"{', '.join(map(str, _DTYPES))}")
+                    loc = _local(p)
+                    if device is None:
+                        device, first = loc.device, i
+                    elif loc.device != device:
+                        raise ValueError(f"parameter {i} is on {loc.device} but parameter {first} on {device}: "
+                                         "FusedAdamW needs all parameters on one device")
+                    if not loc.is_contiguous():
+                        raise ValueError(f"parameter {i} (shape {tuple(loc.shape)}, stride {loc.stride()}) is "
+                                         "not contiguous: FusedAdamW updates the parameters' storage as flat "
+                                         "arrays")
+                    keep.append(p)
+                    if "param_names" in g:
+                        names.append(g["param_names"][k])
+                    self.params.append(p)
+                    self._group_of.append(gi)
+                i += 1
+            g["params"] = keep
+            if "param_names" in g:
+                g["param_names"] = names
         if not self.params:
-            raise ValueError("FusedAdamW got an empty parameter list")
+            raise ValueError("FusedAdamW got an empty parameter list (no parameter requires grad)")
         self.device = device
 
         data = [_local(p.detach()) for p in self.params]
@@ -280,23 +305,22 @@ class FusedAdamW:
         self.steps = [0] * len(self.params)
         self.reload_masters()
 
-        groups: Dict[torch.dtype, List[int]] = {}
+        launches: Dict[Tuple[int, torch.dtype], List[int]] = {}
         for i, p in enumerate(self.params):
-            groups.setdefault(p.dtype, []).append(i)
-        self._groups = [_Group(dt, idx) for dt, idx in groups.items()]
+            launches.setdefault((self._group_of[i], p.dtype), []).append(i)
+        self._groups = [_Group(gi, dt, idx) for (gi, dt), idx in launches.items()]
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._built:
+            raise ValueError("FusedAdamW.add_param_group: the parameter set is fixed when the optimizer is "
+                             "built (its fp32 state is one flat buffer); build a new FusedAdamW with every group")
+        super().add_param_group(param_group)
 
     # ---- public helpers ----------------------------------------------------------------------
     @torch.no_grad()
     def reload_masters(self) -> None:
         """Copy the parameters' current values into the fp32 masters."""
         torch._foreach_copy_(self.masters, [_local(p.detach()) for p in self.params])
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
 
     @property
     def state(self) -> Dict[Tensor, dict]:
@@ -306,55 +330,65 @@ class FusedAdamW:
                     "exp_avg_sq": self.exp_avg_sqs[i], "master": self.masters[i]}
                 for i, p in enumerate(self.params)}
 
-    @property
-    def param_groups(self) -> List[dict]:
-        """One group, in ``torch.optim``'s form (what ``fxmegatron.checkpoint`` reads); built
-        on each access from the attributes, so setting ``opt.lr`` is what changes the rate."""
-        return [{"params": list(self.params), "lr": self.lr, "betas": self.betas, "eps": self.eps,
-                 "weight_decay": self.weight_decay}]
+    @state.setter
+    def state(self, value) -> None:
+        # torch.optim.Optimizer.__init__ assigns an empty dict; the state lives in the flat
+        # buffers and ``steps`` instead, and the property above builds the per-parameter view
+        pass
 
     def state_dict(self) -> dict:
         """``torch.optim``'s form: {"state": {index: per-parameter state, copied}, "param_groups":
-        [hyperparameters, "params": indices]}."""
+        [hyperparameters (with whatever a scheduler added, e.g. "initial_lr"), "params": indices]}."""
         state = {i: {k: v.detach().clone() for k, v in st.items()} for i, st in enumerate(self.state.values())}
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        return {"state": state, "param_groups": [{**group, "params": list(range(len(self.params)))}]}
+        groups, i = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(i, i + n))})
+            i += n
+        return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what ``state_dict`` returned (or ``fxmegatron.checkpoint`` reassembled): moments,
-        step counts, fp32 masters and hyperparameters. A parameter whose state holds no
-        "master" (a checkpoint of another optimizer) takes its master from its current value;
+        step counts, fp32 masters and each group's hyperparameters. A parameter whose state holds
+        no "master" (a checkpoint of another optimizer) takes its master from its current value;
         one with no state at all starts afresh, as in torch."""
         groups = state_dict.get("param_groups", [])
-        if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
-            raise ValueError(f"FusedAdamW.load_state_dict: expected one parameter group of {len(self.params)} "
-                             f"parameters, got {[len(g['params']) for g in groups]}")
-        g = groups[0]
-        self.lr, self.eps, self.weight_decay = g.get("lr", self.lr), g.get("eps", self.eps), \
-            g.get("weight_decay", self.weight_decay)
-        self.betas = tuple(g.get("betas", self.betas))
+        want = [len(g["params"]) for g in self.param_groups]
+        if [len(g["params"]) for g in groups] != want:
+            raise ValueError(f"FusedAdamW.load_state_dict: expected {len(want)} parameter group(s) of "
+                             f"{want} parameters, got {[len(g['params']) for g in groups]}")
+        for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
+            new = {**g, **{k: v for k, v in saved.items() if k != "params"}}
+            new["betas"] = tuple(new["betas"])
+            _check_hyper(new, f"FusedAdamW.load_state_dict: parameter group {gi}: ")
+            g.update(new)
         self.reload_masters()
-        for i, idx in enumerate(g["params"]):
-            st = state_dict.get("state", {}).get(idx)
-            if not st:
-                self.steps[i] = 0
-                self.exp_avgs[i].zero_()
-                self.exp_avg_sqs[i].zero_()
-                continue
-            for field, buf in (("exp_avg", self.exp_avgs[i]), ("exp_avg_sq", self.exp_avg_sqs[i]),
-                               ("master", self.masters[i])):
-                if field not in st:
-                    if field == "master":
-                        continue
-                    raise ValueError(f"FusedAdamW.load_state_dict: parameter {i} has no {field!r} in its state")
-                t = _local(st[field]) if _is_dtensor(st[field]) else st[field]
-                if tuple(t.shape) != self.shapes[i]:
-                    raise ValueError(f"FusedAdamW.load_state_dict: parameter {i}'s {field} has shape "
-                                     f"{tuple(t.shape)}, expected {self.shapes[i]}")
-                buf.copy_(t)
-            step = st.get("step", 0)
-            self.steps[i] = int(step.item() if torch.is_tensor(step) else step)
+        i = 0
+        for saved in groups:
+            for idx in saved["params"]:
+                self._load_param_state(i, state_dict.get("state", {}).get(idx))
+                i += 1
+
+    def _load_param_state(self, i: int, st: Optional[dict]) -> None:
+        if not st:
+            self.steps[i] = 0
+            self.exp_avgs[i].zero_()
+            self.exp_avg_sqs[i].zero_()
+            return
+        for field, buf in (("exp_avg", self.exp_avgs[i]), ("exp_avg_sq", self.exp_avg_sqs[i]),
+                           ("master", self.masters[i])):
+            if field not in st:
+                if field == "master":
+                    continue
+                raise ValueError(f"FusedAdamW.load_state_dict: parameter {i} has no {field!r} in its state")
+            t = _local(st[field]) if _is_dtensor(st[field]) else st[field]
+            if tuple(t.shape) != self.shapes[i]:
+                raise ValueError(f"FusedAdamW.load_state_dict: parameter {i}'s {field} has shape "
+                                 f"{tuple(t.shape)}, expected {self.shapes[i]}")
+            buf.copy_(t)
+        step = st.get("step", 0)
+        self.steps[i] = int(step.item() if torch.is_tensor(step) else step)
 
     # ---- the step ----------------------------------------------------------------------------
     def _grad(self, i: int) -> Optional[Tensor]:
@@ -374,14 +408,20 @@ class FusedAdamW:
                              f"{p.dtype}{list(self.shapes[i])} on {self.device}")
         return g if g.is_contiguous() else g.contiguous()
 
-    def _hyper(self, step: int) -> Tuple[float, float]:
-        """(lr / (1 - b1**step), sqrt(1 - b2**step)), as torch computes them (double)."""
-        b1, b2 = self.betas
-        return self.lr / (1 - b1 ** step), (1 - b2 ** step) ** 0.5
+    @staticmethod
+    def _hyper(g: dict, step: int) -> Tuple[float, float]:
+        """(lr / (1 - b1**step), sqrt(1 - b2**step)) for group ``g``, as torch computes them (double)."""
+        b1, b2 = g["betas"]
+        return float(g["lr"]) / (1 - b1 ** step), (1 - b2 ** step) ** 0.5
 
     @torch.no_grad()
-    def step(self, grad_scale: Union[Tensor, float, None] = None,
-             set_grads_to_none: Optional[bool] = None) -> None:
+    def step(self, grad_scale: Union[Tensor, float, Callable, None] = None,
+             set_grads_to_none: Optional[bool] = None):
+        loss = None
+        if callable(grad_scale):             # torch's step(closure)
+            with torch.enable_grad():
+                loss = grad_scale()
+            grad_scale = None
         grads = [self._grad(i) for i in range(len(self.params))]
         live = [i for i, g in enumerate(grads) if g is not None]
         if live:
@@ -400,6 +440,7 @@ class FusedAdamW:
         if self.set_grads_to_none if set_grads_to_none is None else set_grads_to_none:
             for p in self.params:
                 p.grad = None
+        return loss
 
     def _kernels_run(self) -> bool:
         """Whether the step runs the kernel: ``kernels_run`` on the flat buffers, except CUDA tensors
@@ -414,26 +455,27 @@ class FusedAdamW:
 
     def _torch_step(self, grads: List[Optional[Tensor]], live: List[int], grad_scale: Optional[Tensor]) -> None:
         """``torch.optim.AdamW``'s single-tensor step (non-capturable), over foreach lists."""
-        b1, b2 = self.betas
-        by_step: Dict[int, List[int]] = {}
+        by_step: Dict[Tuple[int, int], List[int]] = {}
         for i in live:
-            by_step.setdefault(self.steps[i], []).append(i)
-        for step, idx in by_step.items():
+            by_step.setdefault((self._group_of[i], self.steps[i]), []).append(i)
+        for (gi, step), idx in by_step.items():
+            grp = self.param_groups[gi]
+            lr, (b1, b2), eps, wd = float(grp["lr"]), grp["betas"], grp["eps"], grp["weight_decay"]
             g = [grads[i].to(torch.float32, copy=True) for i in idx]
             if grad_scale is not None:
                 torch._foreach_mul_(g, grad_scale)
             w = [self.masters[i] for i in idx]
             m = [self.exp_avgs[i] for i in idx]
             v = [self.exp_avg_sqs[i] for i in idx]
-            if self.weight_decay != 0:
-                torch._foreach_mul_(w, 1 - self.lr * self.weight_decay)
+            if wd != 0:
+                torch._foreach_mul_(w, 1 - lr * wd)
             torch._foreach_lerp_(m, g, 1 - b1)
             torch._foreach_mul_(v, b2)
             torch._foreach_addcmul_(v, g, g, value=1 - b2)
-            step_size, bc2_sqrt = self._hyper(step)
+            step_size, bc2_sqrt = self._hyper(grp, step)
             denom = torch._foreach_sqrt(v)
             torch._foreach_div_(denom, bc2_sqrt)
-            torch._foreach_add_(denom, self.eps)
+            torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(w, m, denom, value=-step_size)
             torch._foreach_copy_([_local(self.params[i].detach()) for i in idx], w)
 
@@ -461,8 +503,9 @@ class FusedAdamW:
         kernel = _kernel()
         block, iters, warps = self._config()
         interpret = self.device.type != "cuda"       # a CPU tensor runs the kernel only in the interpreter
-        b1, b2 = self.betas
         for grp in self._groups:
+            hp = self.param_groups[grp.group]
+            lr, (b1, b2), eps, wd = float(hp["lr"]), hp["betas"], hp["eps"], hp["weight_decay"]
             live = [i for i in grp.members if grads[i] is not None]
             if not live:
                 continue
@@ -478,12 +521,12 @@ class FusedAdamW:
             counts = {self.steps[i] for i in live}
             per_tensor = len(counts) > 1
             if per_tensor:
-                scal = [x for i in grp.members for x in (self._hyper(self.steps[i]) if grads[i] is not None
+                scal = [x for i in grp.members for x in (self._hyper(hp, self.steps[i]) if grads[i] is not None
                                                          else (0.0, 1.0))]
                 step_size, bc2_sqrt = 0.0, 1.0
             else:
                 scal = None
-                step_size, bc2_sqrt = self._hyper(counts.pop())
+                step_size, bc2_sqrt = self._hyper(hp, counts.pop())
             key = (tuple(addrs), None if scal is None else tuple(scal))
             if key != grp.key:
                 t = len(grp.members)
@@ -500,7 +543,7 @@ class FusedAdamW:
                 grp.chunks, grp.meta, grp.table, grp.table[2 * t:].view(torch.float32),
                 grad_scale if grad_scale is not None else self._w, self._w, self._m, self._v,
                 _local(self.params[grp.members[0]].detach()),
-                1 - self.lr * self.weight_decay, b1, 1 - b1, b2, 1 - b2, step_size, bc2_sqrt, self.eps,
+                1 - lr * wd, b1, 1 - b1, b2, 1 - b2, step_size, bc2_sqrt, eps,
                 HAS_SCALE=grad_scale is not None, PER_TENSOR=per_tensor,
                 ALIGNED=aligned, RTNE_BF16=interpret and grp.dtype == torch.bfloat16,
                 BLOCK=block, ITERS=iters, num_warps=warps)

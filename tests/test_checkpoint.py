@@ -57,14 +57,17 @@ def test_resume_with_dropout_is_bitwise(tmp_path):
 
 
 def test_resume_with_fused_adamw_is_bitwise(tmp_path):
-    """FusedAdamW's fp32 masters, moments and step counts go into the checkpoint and come back."""
+    """FusedAdamW's fp32 masters, moments, step counts and both parameter groups' rates (a
+    LambdaLR schedule, its own state in ``extra``) go into the checkpoint and come back."""
     d = str(tmp_path / "ck")
     straight = run_distributed(ckpt_run, 2, (1, 1, 2), 4, 0, None, None, 0.0, "gpt", 2, True)[0]
     a = run_distributed(ckpt_run, 2, (1, 1, 2), 2, 0, None, d, 0.0, "gpt", 2, True)[0]
     b = run_distributed(ckpt_run, 2, (1, 1, 2), 2, 2, d, None, 0.0, "gpt", 2, True)[0]
     assert a + b == straight
     index = json.load(open(os.path.join(d, "index.json")))
-    assert index["param_groups"][0]["lr"] == 1e-3
+    for g in index["param_groups"]:
+        assert g["initial_lr"] == 1e-3 and abs(g["lr"] - 1e-3 / 3) < 1e-12
+    assert [g["weight_decay"] for g in index["param_groups"]] == [1e-2, 0.0]
 
 
 def test_unfinished_save_is_refused(tmp_path, saved):

@@ -144,7 +144,8 @@ def test_state_dict_round_trip(monkeypatch):
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     other = FusedAdamW(twins, lr=0.5)                   # hyperparameters come from the state_dict
     other.load_state_dict(sd)
-    assert (other.lr, other.betas, other.weight_decay) == (LR, BETAS, WD)
+    g = other.param_groups[0]
+    assert (g["lr"], g["betas"], g["weight_decay"]) == (LR, BETAS, WD)
     g = torch.Generator().manual_seed(7)
     grads = [torch.randn(s, generator=g).to(dt) for s, dt in zip(SHAPES, dtypes)]
     for o, ps in ((opt, params), (other, twins)):
@@ -154,9 +155,102 @@ def test_state_dict_round_trip(monkeypatch):
     for a, b, ma, mb in zip(params, twins, opt.masters, other.masters):
         assert torch.equal(a, b) and torch.equal(ma, mb)
     assert other.steps == [4, 4, 3, 4]
-    with pytest.raises(ValueError, match="one parameter group of 4 parameters"):
+    with pytest.raises(ValueError, match=r"expected 1 parameter group\(s\) of \[4\] parameters"):
         other.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
     bad = opt.state_dict()
     bad["state"][0]["exp_avg"] = torch.zeros(5)
     with pytest.raises(ValueError, match=r"parameter 0's exp_avg has shape \(5,\), expected \(37,\)"):
         other.load_state_dict(bad)
+
+
+def _grouped(params):
+    """Two groups, as a training script builds them: matrices with weight decay, the rest
+    without and at a different rate."""
+    return [{"params": [p for p in params if p.dim() > 1]},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": LR * 3}]
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_groups_and_a_scheduler_match_torch_adamw(kernel, monkeypatch):
+    """Per-group lr and weight decay, and torch's LR schedulers: the same steps as
+    torch.optim.AdamW with the same groups and the same schedule on fp32 masters."""
+    if kernel:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(FusedAdamW, "_torch_step", lambda *a: pytest.fail("took the torch path"))
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+    g = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dt)) for s, dt in zip(SHAPES, dtypes)]
+    ref_params = [p.detach().clone() for p in params]
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = FusedAdamW(_grouped(params), lr=LR, betas=BETAS, weight_decay=WD)
+    ref = torch.optim.AdamW(_grouped(masters), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda t: 1.0 / (1 + t))
+    order = [p for grp in _grouped(params) for p in grp["params"]]
+    assert opt.params == order                   # the optimizer's order: the groups' one after the other
+    for grads in _grads(SHAPES, dtypes, 3, seed=5):
+        for p, m, gr in zip(params, masters, grads):
+            p.grad, m.grad = gr, None if gr is None else gr.float()
+        opt.step()
+        ref.step()
+        sched.step()
+        ref_sched.step()
+        with torch.no_grad():
+            for rp, m in zip(ref_params, masters):
+                rp.copy_(m)
+    assert opt.param_groups[1]["lr"] == ref.param_groups[1]["lr"] == LR * 3 / 4
+    for i, p in enumerate(order):
+        k = next(j for j, q in enumerate(params) if q is p)
+        st = ref.state[masters[k]]
+        assert opt.steps[i] == int(st["step"]), i
+        assert _close(opt.masters[i], masters[k].detach(), 1e-6), i
+        assert _close(opt.exp_avg_sqs[i], st["exp_avg_sq"], 1e-6), i
+        assert torch.equal(p.detach(), opt.masters[i].to(p.dtype)), i
+
+
+def test_grouped_state_dict_round_trip_keeps_the_schedule(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in SHAPES]
+    opt = FusedAdamW(_grouped(params), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+        sched.step()
+    sd = opt.state_dict()
+    assert [grp["params"] for grp in sd["param_groups"]] == [[0], [1, 2, 3]]
+    assert sd["param_groups"][1]["initial_lr"] == LR * 3 and sd["param_groups"][1]["lr"] == LR * 3 / 4
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    other = FusedAdamW(_grouped(twins), lr=1.0)
+    other.load_state_dict(sd)
+    assert [grp["lr"] for grp in other.param_groups] == [LR / 4, LR * 3 / 4]
+    for o, ps in ((opt, params), (other, twins)):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twins))
+    with pytest.raises(ValueError, match=r"expected 2 parameter group\(s\) of \[1, 3\] parameters, got \[4\]"):
+        other.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1, 2, 3]}]})
+
+
+def test_group_errors_and_closure():
+    a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match=r"parameter group 1: invalid learning rate -1"):
+        FusedAdamW([{"params": [a]}, {"params": [b], "lr": -1.0}])
+    with pytest.raises(ValueError, match=r"parameter group 0: invalid betas \(0.9, 1.0\)"):
+        FusedAdamW([{"params": [a], "betas": (0.9, 1.0)}, {"params": [b]}])
+    opt = FusedAdamW([a])
+    with pytest.raises(ValueError, match="add_param_group: the parameter set is fixed"):
+        opt.add_param_group({"params": [b]})
+
+    def closure():
+        loss = (a.float() ** 2).sum()
+        loss.backward()
+        return loss
+    before = a.detach().clone()
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss) and opt.steps == [1] and not torch.equal(a.detach(), before)

@@ -231,20 +231,31 @@ def ckpt_run(rank, world, layout, steps, first_step=0, load_dir=None, save_dir=N
     model = models.build(name, dropout=dropout, n_layer=4)
     pm = fxmegatron.parallelize(model, mesh, models.batch(name, batch_size=8), seed=3,
                                 microbatches=microbatches if pp > 1 else 1)
-    if fused_adam:
+    sched = None
+    if fused_adam:      # as a training script sets it up: no decay on biases and norms, a schedule
         from fxmegatron.optim import FusedAdamW
-        opt = FusedAdamW(pm.parameters(), lr=1e-3)
+        params = list(pm.parameters())
+        opt = FusedAdamW([{"params": [p for p in params if p.dim() > 1]},
+                          {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}], lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
     else:
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     if load_dir:
-        checkpoint.load(pm, opt, load_dir)
+        extra = checkpoint.load(pm, opt, load_dir)
+        if sched is not None:
+            sched.load_state_dict(extra["sched"])
     losses = []
     for step in range(first_step, first_step + steps):
         losses.append(pm.train_step(models.batch(name, seed=step, batch_size=8)).item())
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
     if save_dir:
-        checkpoint.save(pm, opt, save_dir, extra={"step": first_step + steps})
+        extra = {"step": first_step + steps}
+        if sched is not None:
+            extra["sched"] = sched.state_dict()
+        checkpoint.save(pm, opt, save_dir, extra=extra)
     return losses
 
 
