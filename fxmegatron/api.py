@@ -16,6 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .capture import Captured, batch_args, capture, retarget_device
 from .data_parallel import GradSync
+from .grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from .dump import write_dump
 from .errors import MeshError, ShardingError
 from .inductor import check_compile_options, compile_graph
@@ -127,6 +128,7 @@ class ParallelModel(nn.Module):
         self.dp_size, self.dp_rank = axes["dp"].size, axes["dp"].rank
         self.microbatches = microbatches
         self._grad_sync: Optional[GradSync] = None
+        self._grad_accum: Optional[Fp32GradAccumulator] = None
         self._count_tokens = None       # flat microbatch -> tokens its loss averages over
         self._holders: Dict[str, int] = {}   # weight -> number of pipeline stages holding it
         if pipeline is not None:
@@ -191,6 +193,8 @@ class ParallelModel(nn.Module):
             flat = split_batch(flat, self.dp_size, names, f"dp={self.dp_size}")[self.dp_rank]
         micro = split_batch(flat, m, names)
         weights = self._loss_weights(micro)
+        if self._grad_accum is not None:
+            self._grad_accum.start(m)
         if self._grad_sync is not None:
             self._grad_sync.start(m)
         if self._pipeline is None:
@@ -201,6 +205,8 @@ class ParallelModel(nn.Module):
                 total = loss.detach() * w if total is None else total + loss.detach() * w
         else:
             total = self._pipeline.runner.run(micro, weights)
+        if self._grad_accum is not None:
+            self._grad_accum.finish()
         if self._grad_sync is not None:
             self._grad_sync.finish()
         if self._pipeline is not None:
@@ -374,7 +380,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                 schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
                 fuse: bool = False, compile=False, tp_comm_overlap: int = 0, tp_comm_transport: str = "auto",
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
-                _chunked: bool = False) -> ParallelModel:
+                grad_accum_dtype: Optional[torch.dtype] = None, _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
     ``mesh``: a torch DeviceMesh with dims named "tp" and/or "pp" (or None: one process).
@@ -403,10 +409,15 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     Weights come from ``state_dict``, else from the model, else (meta model) are
     initialised shard by shard. ``seed``: for that initialisation and
     for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).
+    ``grad_accum_dtype``: torch.float32 sums the gradients of bf16/fp16 parameters over a
+    step's microbatches (and pipeline chunks) in fp32, rounding once at the end (Megatron's
+    main_grad; ``fxmegatron.grad_accumulation``); None (default) lets autograd accumulate in
+    the parameters' dtype.
     """
     axes = _mesh_axes(mesh)
     tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
     check_compile_options(compile, fuse)
+    check_grad_accum_dtype(grad_accum_dtype)
     if tp_comm_overlap and not sequence_parallel:
         raise ShardingError(f"parallelize(tp_comm_overlap={tp_comm_overlap}) overlaps sequence parallelism's "
                             "all-gathers and reduce-scatters with matmuls: it needs sequence_parallel=True")
@@ -477,17 +488,32 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     if microbatches > 1 or dp.size > 1:
         pm._count_tokens = token_counter(local, device)
     pm._example_inputs = [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"]
-    if dp.size > 1:
-        uses = {}
-        if pipe is not None:
-            for c in pipe.chunks:
-                if c.index in pipe.stage.modules:
-                    for name in c.params:
-                        if name in pipe.stage.params:
-                            k = id(pipe.stage.params[name])
-                            uses[k] = uses.get(k, 0) + 1
-        pm._grad_sync = GradSync(list(pm.parameters()), uses, dp.group, dp.size)
+    uses = chunk_uses(pipe.chunks, pipe.stage.modules, pipe.stage.params) if pipe is not None else {}
+    attach_grad_hooks(pm, uses, dp, grad_accum_dtype)
     return pm
+
+
+def chunk_uses(chunks: Sequence[Chunk], modules: Mapping, params: Mapping) -> Dict[int, int]:
+    """id(parameter) -> how many of this rank's chunks use it: its gradient accumulations per
+    microbatch (each chunk's backward is a separate one)."""
+    uses: Dict[int, int] = {}
+    for c in chunks:
+        if c.index in modules:
+            for name in c.params:
+                if name in params:
+                    k = id(params[name])
+                    uses[k] = uses.get(k, 0) + 1
+    return uses
+
+
+def attach_grad_hooks(pm: ParallelModel, uses: Dict[int, int], dp: Axis, grad_accum_dtype=None) -> None:
+    """The fp32 accumulation (when asked for) first, then the data-parallel averaging: the
+    hooks run in that order, so a bucket reduced at a parameter's last accumulation holds
+    the rounded fp32 sum."""
+    if grad_accum_dtype is not None and (pm.microbatches > 1 or any(v > 1 for v in uses.values())):
+        pm._grad_accum = Fp32GradAccumulator(list(pm.parameters()), uses)
+    if dp.size > 1:
+        pm._grad_sync = GradSync(list(pm.parameters()), uses, dp.group, dp.size)
 
 
 def _first_microbatch(batch, m: int, dp: int = 1):

@@ -208,11 +208,12 @@ def _get(mod, target):
 
 
 # ---- loading -----------------------------------------------------------------------------
-def load_folder(folder: str, mesh, device=None):
-    """A ``ParallelModel`` for this rank from a compiled folder (no model code needed)."""
+def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
+    """A ``ParallelModel`` for this rank from a compiled folder (no model code needed).
+    ``grad_accum_dtype``: as ``parallelize``'s."""
     from . import collectives
-    from .api import ParallelModel, Pipeline, _mesh_axes, _runtime_device
-    from .data_parallel import GradSync
+    from .api import ParallelModel, Pipeline, _mesh_axes, _runtime_device, attach_grad_hooks, chunk_uses
+    from .grad_accumulation import check_grad_accum_dtype
     from .passes.pipeline_split import Chunk
     from .placement import R, Shard
     from .schedules import make_schedule
@@ -220,6 +221,7 @@ def load_folder(folder: str, mesh, device=None):
     from .stages import Stage
     from types import SimpleNamespace
 
+    check_grad_accum_dtype(grad_accum_dtype)
     path = os.path.join(folder, MANIFEST)
     if not os.path.exists(path):
         raise CompiledFolderError(f"{folder} has no {MANIFEST}: not a folder written by `fxmegatron compile`")
@@ -272,12 +274,5 @@ def load_folder(folder: str, mesh, device=None):
     pm._recompute = man["recompute"]
     pm._example_inputs = [torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]), device="meta")
                           for b in man["batch"]]
-    if dp.size > 1:
-        uses = {}
-        for c in chunks:
-            if c.index in modules:
-                for name in c.params:
-                    if name in params:
-                        uses[id(params[name])] = uses.get(id(params[name]), 0) + 1
-        pm._grad_sync = GradSync(list(pm.parameters()), uses, dp.group, dp.size)
+    attach_grad_hooks(pm, chunk_uses(chunks, modules, params), dp, grad_accum_dtype)
     return pm

@@ -391,3 +391,28 @@ def copy_engine_vs_nccl(rank, world):
     nccl = run("nccl")
     ce = run("copy_engine" if usable else "nccl")
     return usable, err(ce, ref), err(nccl, ref)
+
+
+def grad_accum_errors(rank, world, layout, microbatches, n_layer=4, batch_size=16):
+    """The first step's gradients of a bf16 model at (dp, pp, tp) = layout over ``microbatches``,
+    accumulated by autograd (bf16) and in fp32 (``grad_accum_dtype``), each against the
+    unmodified model in float64: {accumulation: ||g - g64|| / ||g64|| over all parameters}."""
+    import fxmegatron
+
+    mesh = mesh_3d(*layout)
+    model = models.build("gpt", n_layer=n_layer)
+    b = models.batch("gpt", batch_size=batch_size)
+    ref = copy.deepcopy(model).double()
+    models.call(ref, b).backward()
+    out = {}
+    for accum in (None, torch.float32):
+        pm = fxmegatron.parallelize(copy.deepcopy(model).to(torch.bfloat16), mesh, b, microbatches=microbatches,
+                                    grad_accum_dtype=accum)
+        pm.train_step(b)
+        full = pm.full_grads()
+        num = sum(((full[n].double() - p.grad) ** 2).sum().item() for n, p in ref.named_parameters() if n in full)
+        den = sum((p.grad ** 2).sum().item() for n, p in ref.named_parameters() if n in full)
+        missing = [n for n, p in pm.named_parameters() if p.grad is None]
+        out[str(accum)] = {"err": (num / den) ** 0.5, "n": len(full), "missing": missing}
+    return out
+
