@@ -103,10 +103,10 @@ class Workspace:
     collective rendezvous: every rank of the group asks for the same sizes, as the shapes are
     the same) when an op needs more."""
 
-    def __init__(self, pg, nbytes: int, device: torch.device):
+    def __init__(self, pg, nbytes: int, device: torch.device, buf: Tensor = None):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        self.buf = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
+        self.buf = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device) if buf is None else buf
         self.handle = symm_mem.rendezvous(self.buf, pg)
         self.rank, self.world = self.handle.rank, self.handle.world_size
         self.peers = [self.handle.get_buffer(r, (2 * nbytes,), torch.uint8, 0) for r in range(self.world)]
@@ -164,20 +164,54 @@ def side_stream(device: torch.device):
 
 def usable(x: Tensor, pg, group_name: str) -> bool:
     """Whether the copy-engine transport can serve ``x``'s group: a CUDA tensor, an NCCL
-    group, and symmetric memory that rendezvous (tried once per group)."""
+    group, and symmetric memory that every rank of the group could allocate and rendezvous
+    (tried once per group; the ranks agree, ``agree_to_set_up``)."""
     if not x.is_cuda or pg is None:
         return False
     key = _key(group_name, pg)
     if key not in _USABLE:
         import torch.distributed as dist
-        try:
-            ok = dist.get_backend(pg) == "nccl"
-            if ok:
-                workspace(group_name, pg, 1 << 20, x.device)
-        except Exception:       # no symmetric memory here (driver, build): NCCL serves
-            ok = False
-        _USABLE[key] = ok
+        if dist.get_backend(pg) != "nccl":      # the same answer on every rank
+            _USABLE[key] = False
+        else:
+            from torch.distributed import _symmetric_memory as symm_mem
+            nbytes = 1 << 20
+
+            def finish(buf):
+                ws = Workspace(pg, nbytes, x.device, buf)
+                ws.take_half()
+                _WORKSPACES[key] = ws
+            _USABLE[key] = agree_to_set_up(
+                pg, x.device, lambda: symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=x.device), finish)
     return _USABLE[key]
+
+
+def agree_to_set_up(pg, device, allocate, rendezvous) -> bool:
+    """Run ``rendezvous(allocate())`` on every rank of ``pg`` or on none, and say whether every
+    rank succeeded. A rendezvous is collective: were one rank to fail its allocation (no
+    symmetric memory in this driver or build, out of memory) and skip it, its peers would
+    wait in it for ever. So the ranks first agree (an all-reduce of the minimum) that all
+    allocated; then, after the rendezvous, that all got through it. On False every rank
+    falls back to the process group's collectives."""
+    import torch.distributed as dist
+
+    def everyone(ok: bool) -> bool:
+        t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
+        return bool(t.item())
+
+    try:
+        buf = allocate()
+    except Exception:
+        buf = None
+    if not everyone(buf is not None):
+        return False
+    try:
+        rendezvous(buf)
+        ok = True
+    except Exception:
+        ok = False
+    return everyone(ok)
 
 
 def seq_view(t: Tensor, dim: int, world: int, q: int) -> Tensor:

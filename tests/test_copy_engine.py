@@ -71,3 +71,16 @@ def test_ring_reduce_scatter_and_gather_with_sequence_slices(shape, dim, world):
     for q in range(world):
         _mm_piece(seq_view(out, dim, world, q), seq_view(x, dim, world, q), ws[1].t(), accumulate=True)
     assert torch.allclose(out, x @ (ws[0] + ws[1]).t() + b, atol=1e-5)
+
+
+@pytest.mark.parametrize("fail_allocate,fail_rendezvous,expect", [
+    (-1, -1, [(True, True), (True, True)]),
+    (1, -1, [(False, False), (False, False)]),      # nobody enters the collective rendezvous
+    (-1, 0, [(False, True), (False, True)]),        # everyone falls back together
+])
+def test_ranks_agree_on_the_copy_engine_set_up(fail_allocate, fail_rendezvous, expect):
+    """Were one rank to fail its symmetric-memory allocation and skip the (collective)
+    rendezvous, its peers would wait in it for ever; the ranks agree first, then agree again."""
+    from tests.distributed import run_distributed
+    from tests.workers import copy_engine_agreement
+    assert run_distributed(copy_engine_agreement, 2, fail_allocate, fail_rendezvous) == expect

@@ -416,3 +416,22 @@ def grad_accum_errors(rank, world, layout, microbatches, n_layer=4, batch_size=1
         out[str(accum)] = {"err": (num / den) ** 0.5, "n": len(full), "missing": missing}
     return out
 
+
+def copy_engine_agreement(rank, world, fail_allocate, fail_rendezvous):
+    """``copy_engine.agree_to_set_up`` with the allocation failing on rank ``fail_allocate`` or
+    the rendezvous on rank ``fail_rendezvous`` (-1: none): (result, rendezvous was called)."""
+    import torch.distributed as dist
+
+    from fxmegatron.copy_engine import agree_to_set_up
+    called = []
+
+    def allocate():
+        if rank == fail_allocate:
+            raise RuntimeError("no symmetric memory here")
+        return torch.zeros(4)
+
+    def rendezvous(buf):
+        called.append(True)
+        if rank == fail_rendezvous:
+            raise RuntimeError("rendezvous failed")
+    return agree_to_set_up(dist.group.WORLD, torch.device("cpu"), allocate, rendezvous), bool(called)
