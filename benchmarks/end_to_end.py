@@ -36,7 +36,7 @@ number of processes):
   output is cut to the rank's sequence shard (Megatron's way); each Block is wrapped in
   ``torch.compile``. Attention runs on the local heads (a forward that views
   ``(B, T, -1, head_dim)``: the same math).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-fadam][-ovN][-nccl|-ce]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-fadam][-acc32][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device. tp > 1 turns sequence parallelism on (``-nosp``: off); ``-vN`` virtual
   stages (interleaved 1F1B); ``-mN`` microbatches (default: --microbatches, 8, when pp > 1,
@@ -44,7 +44,8 @@ number of processes):
   pipeline chunk) through torch.compile (``-cgraphs``: its mode "reduce-overhead", CUDA graphs;
   ``-autotune``: "max-autotune-no-cudagraphs"); ``-rsel``/``-rfull``: recomputation; ``-fadam``:
   fxmegatron's optimizer (``fxmegatron.optim.FusedAdamW``: the same AdamW on fp32 masters in
-  one pass, the clip's scale folded in) instead of the shared one; ``-ovN``: sequence
+  one pass, the clip's scale folded in) instead of the shared one; ``-acc32``: gradients summed
+  over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-ovN``: sequence
   parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
   (``tp_comm_overlap=N``; over copy engines, the tp ranks' sequence slices, whatever N),
   moved by the copy engines where the group has symmetric memory
@@ -156,6 +157,7 @@ class Layout:
     compile: object = False     # False, True or a torch.compile mode
     recompute: str = "none"
     fadam: bool = False
+    fp32_accum: bool = False    # parallelize(grad_accum_dtype=torch.float32)
     overlap: int = 0
     transport: str = "auto"
 
@@ -196,6 +198,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.sp = False
         elif head == "fx" and tok == "fadam":
             lay.fadam = True
+        elif head == "fx" and tok == "acc32":
+            lay.fp32_accum = True
         elif head == "fx" and tok in ("nccl", "ce"):
             lay.transport = {"nccl": "nccl", "ce": "copy_engine"}[tok]
         elif head == "fx" and tok in ("rsel", "rfull"):
@@ -384,7 +388,8 @@ def build_fx(lay, cfg, dev, dtype, ids, labels, meshes, ref_state=None, **_):
     pm = fxmegatron.parallelize(model, mesh, (ids, labels), sequence_parallel=lay.sp, recompute=lay.recompute,
                                 microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
                                 compile=lay.compile, tp_comm_overlap=lay.overlap,
-                                tp_comm_transport=lay.transport, state_dict=ref_state)
+                                tp_comm_transport=lay.transport, state_dict=ref_state,
+                                grad_accum_dtype=torch.float32 if lay.fp32_accum else None)
     return Job(list(pm.parameters()), lambda: pm.train_step(ids, labels), lambda: pm.clip_grad_norm_(1.0), [pm],
                norm=pm.grad_norm)
 

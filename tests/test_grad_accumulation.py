@@ -24,12 +24,47 @@ def _accumulate(grads, accumulator: bool):
     return p.grad
 
 
-def test_small_terms_survive_in_fp32():
+@pytest.fixture(params=["foreach", "kernel"])
+def path(request, monkeypatch):
+    """The callback's two ways to add: torch's foreach ops, and the Triton kernel (interpreter)."""
+    if request.param == "kernel":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(torch, "_foreach_add_", lambda *a: pytest.fail("took the foreach path"))
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return request.param
+
+
+def test_small_terms_survive_in_fp32(path):
     # 1 + 16 * 2^-9: each 2^-9 is below half an ulp of 1 in bf16 (2^-8), so autograd's bf16
     # sum stays 1; the fp32 sum is 1.03125, which bf16 holds exactly
     grads = [[1.0, 3.0]] + [[2.0 ** -9, 2.0 ** -8]] * 16
     assert _accumulate(grads, False).tolist() == [1.0, 3.0]
     assert _accumulate(grads, True).tolist() == [1.03125, 3.0625]
+
+
+def test_many_parameters_and_chunks_match_an_fp32_sum(path):
+    """Parameters of both half dtypes, sizes across the kernel's chunks and blocks, one of them
+    used twice per microbatch: each ``.grad`` is the fp32 sum of its gradients, rounded once."""
+    g = torch.Generator().manual_seed(0)
+    shapes, dtypes = [(300,), (7, 5), (1,), (129, 3)], [torch.bfloat16, torch.float16, torch.bfloat16, torch.bfloat16]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dt)) for s, dt in zip(shapes, dtypes)]
+    acc = Fp32GradAccumulator(params, {id(params[3]): 2})
+    m = 5
+    acc.start(m)
+    total = [torch.zeros(s) for s in shapes]
+    for _ in range(m):
+        gs = [torch.randn(s, generator=g).to(dt) for s, dt in zip(shapes, dtypes)]
+        sum(((p * x).float().sum() for p, x in zip(params, gs)), torch.zeros(())).backward()
+        extra = torch.randn(shapes[3], generator=g).to(torch.bfloat16)
+        (params[3] * extra).float().sum().backward()      # a second use: a second backward
+        for t, x in zip(total, gs):
+            t += x.float()
+        total[3] += extra.float()
+    acc.finish()
+    acc.remove()
+    for p, t in zip(params, total):
+        assert p.grad.dtype == p.dtype and torch.equal(p.grad, t.to(p.dtype))
 
 
 def test_a_parameter_missed_by_a_microbatch_still_gets_its_sum():
