@@ -10,8 +10,8 @@ one rounding instead of m - 1.
 
 The hook is registered before the data-parallel ``GradSync`` one, so the bucket that
 GradSync launches at a parameter's last accumulation reads the rounded sum. The fp32 sums
-exist only during the step's backward (4 bytes per low-precision parameter; allocated at
-its first accumulation, freed at its last).
+are one flat buffer (4 bytes per low-precision parameter), made at the step's first
+accumulation and dropped when the step ends.
 
 The adds are batched. A parameter's hook only sets its gradient aside (and frees
 ``.grad``); at the end of each backward pass one callback adds all of them into one flat
@@ -29,7 +29,7 @@ microbatch's bf16 weight gradient is written, then added.
 """
 from __future__ import annotations
 
-import os
+import contextlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -149,14 +149,12 @@ class Fp32GradAccumulator:
         pending, self._pending, self._queued = self._pending, [], False
         if not pending:
             return
-        from .codegen.triton_kernel import kernels_run
+        from .codegen.triton_kernel import table_kernels_run
         by_dtype: Dict[torch.dtype, List[Tuple[int, torch.Tensor]]] = {}
         for i, g in pending:
             by_dtype.setdefault(g.dtype, []).append((i, g if g.is_contiguous() else g.contiguous()))
         self._sum(pending[0][0])              # the flat buffer exists from here on
-        # CUDA tensors under the interpreter: it copies tensor arguments to the host, so the
-        # device addresses in the table would be read on the host
-        kernel = kernels_run(self._flat) and not (self._flat.is_cuda and os.environ.get("TRITON_INTERPRET") == "1")
+        kernel = table_kernels_run(self._flat)
         for items in by_dtype.values():
             if kernel:
                 self._launch(items)
@@ -183,13 +181,9 @@ class Fp32GradAccumulator:
         cuda = self._flat.is_cuda
         host = torch.tensor(addrs, dtype=torch.int64)
         table = host.pin_memory().to(self._flat.device, non_blocking=True) if cuda else host
-        ref = items[0][1]
-        if cuda:
-            with torch.cuda.device(self._flat.device):
-                _kernel()[(n,)](chunks, meta, table, self._flat, ref, ALIGNED=not any(a & 15 for a in addrs),
-                                BLOCK=block, ITERS=iters, num_warps=warps)
-        else:
-            _kernel()[(n,)](chunks, meta, table, self._flat, ref, ALIGNED=not any(a & 15 for a in addrs),
+        # Triton launches on the current device
+        with torch.cuda.device(self._flat.device) if cuda else contextlib.nullcontext():
+            _kernel()[(n,)](chunks, meta, table, self._flat, items[0][1], ALIGNED=not any(a & 15 for a in addrs),
                             BLOCK=block, ITERS=iters, num_warps=warps)
 
     def finish(self) -> None:

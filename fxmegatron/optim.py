@@ -208,6 +208,25 @@ def _check_hyper(g: dict, where: str) -> None:
         raise ValueError(f"{where}invalid weight_decay {wd}")
 
 
+def _admitted(p: Tensor, i: int, seen: set) -> bool:
+    """Whether parameter ``i`` is optimised (it requires grad); raises if it cannot be."""
+    if not p.dtype.is_floating_point:    # checked first: such a tensor cannot require grad
+        raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW needs floating-point "
+                         f"parameters ({', '.join(map(str, _DTYPES))})")
+    if not p.requires_grad:
+        return False
+    if id(p) in seen:
+        raise ValueError(f"parameter {i} appears more than once")
+    seen.add(id(p))
+    if p.dtype not in _DTYPES:
+        raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW supports {', '.join(map(str, _DTYPES))}")
+    loc = _local(p)
+    if not loc.is_contiguous():
+        raise ValueError(f"parameter {i} (shape {tuple(loc.shape)}, stride {loc.stride()}) is not contiguous: "
+                         "FusedAdamW updates the parameters' storage as flat arrays")
+    return True
+
+
 class FusedAdamW(torch.optim.Optimizer):
     """AdamW on fp32 master copies of ``params``, one fused pass per step (module docstring).
 
@@ -255,26 +274,13 @@ class FusedAdamW(torch.optim.Optimizer):
             _check_hyper(g, f"parameter group {gi}: " if len(self.param_groups) > 1 else "")
             keep, names = [], []
             for k, p in enumerate(g["params"]):
-                if not p.dtype.is_floating_point:    # checked first: such a tensor cannot require grad
-                    raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW needs floating-point "
-                                     f"parameters ({', '.join(map(str, _DTYPES))})")
-                if p.requires_grad:
-                    if id(p) in seen:
-                        raise ValueError(f"parameter {i} appears more than once")
-                    seen.add(id(p))
-                    if p.dtype not in _DTYPES:
-                        raise ValueError(f"parameter {i} has dtype {p.dtype}: FusedAdamW supports "
-                                         f"{', '.join(map(str, _DTYPES))}")
+                if _admitted(p, i, seen):
                     loc = _local(p)
                     if device is None:
                         device, first = loc.device, i
                     elif loc.device != device:
                         raise ValueError(f"parameter {i} is on {loc.device} but parameter {first} on {device}: "
                                          "FusedAdamW needs all parameters on one device")
-                    if not loc.is_contiguous():
-                        raise ValueError(f"parameter {i} (shape {tuple(loc.shape)}, stride {loc.stride()}) is "
-                                         "not contiguous: FusedAdamW updates the parameters' storage as flat "
-                                         "arrays")
                     keep.append(p)
                     if "param_names" in g:
                         names.append(g["param_names"][k])
@@ -443,15 +449,9 @@ class FusedAdamW(torch.optim.Optimizer):
         return loss
 
     def _kernels_run(self) -> bool:
-        """Whether the step runs the kernel: ``kernels_run`` on the flat buffers, except CUDA tensors
-        under ``TRITON_INTERPRET=1``: the interpreter copies tensor arguments to the host, so the
-        device addresses in the pointer table would be read on the host."""
-        import os
-
-        from .codegen.triton_kernel import kernels_run
-        if self._w.is_cuda and os.environ.get("TRITON_INTERPRET") == "1":
-            return False
-        return kernels_run(self._w)
+        """Whether the step runs the kernel (``table_kernels_run`` on the flat buffers)."""
+        from .codegen.triton_kernel import table_kernels_run
+        return table_kernels_run(self._w)
 
     def _torch_step(self, grads: List[Optional[Tensor]], live: List[int], grad_scale: Optional[Tensor]) -> None:
         """``torch.optim.AdamW``'s single-tensor step (non-capturable), over foreach lists."""

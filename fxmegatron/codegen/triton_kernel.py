@@ -412,6 +412,16 @@ def kernels_run(x: torch.Tensor, interpreter: bool = True) -> bool:
     return x.is_cuda or (interpreter and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def table_kernels_run(x: torch.Tensor) -> bool:
+    """``kernels_run`` for the multi-tensor kernels that read tensor addresses from a table
+    (``FusedAdamW``, the fp32 gradient accumulation): not on CUDA tensors under
+    ``TRITON_INTERPRET=1``, where the interpreter copies tensor arguments to the host and the
+    device addresses in the table would be read on the host."""
+    if x.is_cuda and os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return kernels_run(x)
+
+
 def kernels_in_compiled_graph(x: torch.Tensor) -> bool:
     """Whether torch.compile is tracing ``x`` for a device where kernels run: an op that runs
     them (the fused cross-entropy) then stays a call in the compiled graph."""
