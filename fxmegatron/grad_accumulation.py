@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from .codegen.multi_tensor import chunk_tables, config, flat_offsets
 from .errors import FxMegatronError
 
 
@@ -48,10 +49,6 @@ def check_grad_accum_dtype(dtype) -> Optional[torch.dtype]:
                              "as autograd accumulates) or torch.float32")
     return dtype
 
-
-_ALIGN = 64                 # elements: each parameter's offset in the flat fp32 sum is a multiple of it
-_GPU_CONFIG = (1024, 8, 4)  # (BLOCK, ITERS, num_warps), as FusedAdamW's
-_INTERPRET_CONFIG = (128, 2, 1)
 
 _SRC = '''
 @triton.jit
@@ -99,11 +96,7 @@ class Fp32GradAccumulator:
         self.uses = uses                     # id(param) -> accumulations per microbatch (pipeline chunks)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.offsets, total = [], 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += -(-p.numel() // _ALIGN) * _ALIGN
-        self._total = total
+        self.offsets, self._total = flat_offsets([p.numel() for p in self.params])
         self._flat: Optional[torch.Tensor] = None           # the step's fp32 sums, made at first use
         self._tables: Dict[Tuple, Tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._expected: List[int] = []
@@ -161,19 +154,12 @@ class Fp32GradAccumulator:
             else:
                 torch._foreach_add_([self._sum(i) for i, _ in items], [g for _, g in items])
 
-    def _config(self):
-        return _GPU_CONFIG if self._flat.is_cuda else _INTERPRET_CONFIG
-
     def _launch(self, items: List[Tuple[int, torch.Tensor]]) -> None:
-        block, iters, warps = self._config()
+        block, iters, warps = config(self._flat.device)
         key = (items[0][1].dtype, tuple(i for i, _ in items))
         if key not in self._tables:          # the same chunk's parameters come back every microbatch
-            chunk = block * iters
-            rows = [(k, s) for k, (i, _) in enumerate(items) for s in range(0, self.params[i].numel(), chunk)]
-            meta = [(self.offsets[i], self.params[i].numel()) for i, _ in items]
-            dev = self._flat.device
-            self._tables[key] = (torch.tensor(rows, dtype=torch.int64).to(dev),
-                                 torch.tensor(meta, dtype=torch.int64).to(dev), len(rows))
+            self._tables[key] = chunk_tables([self.params[i].numel() for i, _ in items],
+                                             [self.offsets[i] for i, _ in items], self._flat.device)
         chunks, meta, n = self._tables[key]
         if n == 0:
             return

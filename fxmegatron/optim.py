@@ -58,11 +58,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-_ALIGN = 64          # elements: each parameter's offset in the flat fp32 buffers is a multiple of it
-# (BLOCK, ITERS, num_warps): a program owns BLOCK * ITERS elements of one tensor. Small under the
-# interpreter so that tests with small tensors cross chunk and block boundaries.
-_GPU_CONFIG = (1024, 8, 4)
-_INTERPRET_CONFIG = (128, 2, 1)
+from .codegen.multi_tensor import chunk_tables, config, flat_offsets
 
 _SRC = '''
 @triton.jit
@@ -297,10 +293,7 @@ class FusedAdamW(torch.optim.Optimizer):
         data = [_local(p.detach()) for p in self.params]
         self.shapes = [tuple(d.shape) for d in data]
         self.numels = [d.numel() for d in data]
-        self.offsets, total = [], 0
-        for n in self.numels:
-            self.offsets.append(total)
-            total += -(-n // _ALIGN) * _ALIGN
+        self.offsets, total = flat_offsets(self.numels)
         self._w = torch.zeros(total, dtype=torch.float32, device=device)
         self._m = torch.zeros_like(self._w)
         self._v = torch.zeros_like(self._w)
@@ -481,16 +474,8 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _tables(self, grp: _Group) -> None:
         """The fixed device tables of ``grp``: chunks (tensor, start) and meta (offset, numel)."""
-        block, iters, _ = self._config()
-        chunk = block * iters
-        rows = [(k, s) for k, i in enumerate(grp.members) for s in range(0, self.numels[i], chunk)]
-        grp.nchunks = len(rows)
-        grp.chunks = torch.tensor(rows if rows else [(0, 0)], dtype=torch.int64).to(self.device)
-        grp.meta = torch.tensor([(self.offsets[i], self.numels[i]) for i in grp.members],
-                                dtype=torch.int64).to(self.device)
-
-    def _config(self) -> Tuple[int, int, int]:
-        return _GPU_CONFIG if self.device.type == "cuda" else _INTERPRET_CONFIG
+        grp.chunks, grp.meta, grp.nchunks = chunk_tables([self.numels[i] for i in grp.members],
+                                                         [self.offsets[i] for i in grp.members], self.device)
 
     def _kernel_step(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor]) -> None:
         if self.device.type == "cuda":
@@ -501,7 +486,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _launch(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor]) -> None:
         kernel = _kernel()
-        block, iters, warps = self._config()
+        block, iters, warps = config(self.device)
         interpret = self.device.type != "cuda"       # a CPU tensor runs the kernel only in the interpreter
         for grp in self._groups:
             hp = self.param_groups[grp.group]
