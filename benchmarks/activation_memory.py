@@ -35,7 +35,7 @@ def _model(layers, s, h, heads):
 
 def _bytes(layers, s, h, heads, b, kwargs, mesh):
     import fxmegatron
-    from fxmegatron.memory import saved_bytes
+    from fxmegatron.runtime.memory import saved_bytes
     model = _model(layers, s, h, heads)
     g = torch.Generator().manual_seed(1)
     batch = (torch.randint(0, 256, (b, s), generator=g), torch.randint(0, 256, (b, s), generator=g))

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 benchmarks/tp_overlap_ops.py [--batch 16 --seq 2048 --hidden 4096]
 
-What the end-to-end table cannot say: how long each merged op (``fxmegatron.overlapped_linear``)
+What the end-to-end table cannot say: how long each merged op (``fxmegatron.ops.overlapped_linear``)
 takes against its matmuls alone, forward and backward, for each transport and number of
 pieces; and how fast the copy engines pull from a peer (one stream, or one per peer).
 
@@ -46,7 +46,7 @@ def timed(fn, warmup, iters):
 
 
 def copy_bandwidths(group_name, pg, rank, world, args):
-    from fxmegatron import copy_engine
+    from fxmegatron.ops import copy_engine
 
     nbytes = 64 << 20
     ws = copy_engine.workspace(group_name, pg, nbytes, torch.device("cuda"))
@@ -100,7 +100,7 @@ def _config(c):
 
 
 def op_rows(group_name, world, args):
-    from fxmegatron.overlapped_linear import gathered_linears, scattered_linear
+    from fxmegatron.ops.overlapped_linear import gathered_linears, scattered_linear
 
     B, S, H = args.batch, args.seq, args.hidden
     s = S // world

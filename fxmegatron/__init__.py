@@ -1,7 +1,7 @@
 """fxmegatron: Megatron-LM's parallelism as a compiler on torch.fx."""
-from .api import ParallelModel, parallelize
-from .errors import CaptureError, FxMegatronError, MeshError, ShardingError
-from .placement import Partial, Replicate, Shard
+from fxmegatron.api import ParallelModel, parallelize
+from fxmegatron.errors import CaptureError, FxMegatronError, MeshError, ShardingError
+from fxmegatron.placement import Partial, Replicate, Shard
 
 __all__ = ["parallelize", "ParallelModel", "Replicate", "Shard", "Partial",
            "FxMegatronError", "CaptureError", "ShardingError", "MeshError"]

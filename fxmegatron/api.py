@@ -14,25 +14,25 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .capture import Captured, batch_args, capture, retarget_device
-from .data_parallel import GradSync
-from .grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
-from .dump import write_dump
-from .errors import MeshError, ShardingError
-from .inductor import check_compile_options, compile_graph
-from .materialize import local_parameter
-from .passes.dropout_rng import RNG_ATTR, apply_counter_rng
-from .passes.pipeline_split import Chunk, split_pipeline
-from .passes.fuse import apply_fuse
-from .passes.overlap_tp import apply_tp_overlap
-from .overlapped_linear import TRANSPORTS
-from .passes.recompute import apply_recompute
-from .passes.trivial_collectives import drop_trivial_collectives
-from .passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
-from .placement import Placement, R, join_shards
-from .schedules import Schedule, ScheduleError, make_schedule
-from .schedules.runtime import StageRunner
-from .stages import Stage, boundary_specs, build_stage, split_batch, token_counter
+from fxmegatron.capture import Captured, batch_args, capture, retarget_device
+from fxmegatron.runtime.data_parallel import GradSync
+from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
+from fxmegatron.io.dump import write_dump
+from fxmegatron.errors import MeshError, ShardingError
+from fxmegatron.runtime.torch_compile import check_compile_options, compile_graph
+from fxmegatron.runtime.materialize import local_parameter
+from fxmegatron.passes.dropout_rng import RNG_ATTR, apply_counter_rng
+from fxmegatron.passes.pipeline_split import Chunk, split_pipeline
+from fxmegatron.passes.fuse import apply_fuse
+from fxmegatron.passes.overlap_tp import apply_tp_overlap
+from fxmegatron.ops.overlapped_linear import TRANSPORTS
+from fxmegatron.passes.recompute import apply_recompute
+from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
+from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
+from fxmegatron.placement import Placement, R, join_shards
+from fxmegatron.schedules import Schedule, ScheduleError, make_schedule
+from fxmegatron.schedules.runtime import StageRunner
+from fxmegatron.runtime.stages import Stage, boundary_specs, build_stage, split_batch, token_counter
 
 _KNOWN_DIMS = ("dp", "pp", "tp")
 _SUPPORTED_DIMS = ("dp", "pp", "tp")
@@ -263,7 +263,7 @@ class ParallelModel(nn.Module):
         that norm. Collective over tp and pp (every rank must call it). With
         ``fxmegatron.optim.FusedAdamW``, ``opt.step(clip_coefficient(pm.grad_norm(), max_norm))``
         does the same without this pass over the gradients."""
-        from .optim import clip_coefficient
+        from fxmegatron.optim import clip_coefficient
         norm = self.grad_norm()
         coef = clip_coefficient(norm, max_norm)
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
@@ -398,9 +398,9 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     ``tp_comm_overlap``: with sequence parallelism, each all-gather and reduce-scatter runs
     merged with its linears, cut into this many pieces along the batch, so that a piece's
     communication overlaps the previous piece's matmuls (0: off; see
-    ``fxmegatron.overlapped_linear``). ``tp_comm_transport``: what moves those pieces:
+    ``fxmegatron.ops.overlapped_linear``). ``tp_comm_transport``: what moves those pieces:
     "copy_engine" (the GPU's copy engines, through symmetric memory: no SMs taken from the
-    matmuls; ``fxmegatron.copy_engine``), "nccl" (the process group's collectives), or
+    matmuls; ``fxmegatron.ops.copy_engine``), "nccl" (the process group's collectives), or
     "auto" (copy engines where the group has them, else the process group). Over copy
     engines the pieces are the tp ranks' sequence slices instead (a ring that starts
     with the rank's own slice), whatever the number of pieces asked for.
@@ -408,10 +408,10 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     (True, or a torch.compile mode string); inductor then generates the kernels.
     Weights come from ``state_dict``, else from the model, else (meta model) are
     initialised shard by shard. ``seed``: for that initialisation and
-    for dropout masks (counter-based, keyed by element index: see ``fxmegatron.rng``).
+    for dropout masks (counter-based, keyed by element index: see ``fxmegatron.ops.dropout``).
     ``grad_accum_dtype``: torch.float32 sums the gradients of bf16/fp16 parameters over a
     step's microbatches (and pipeline chunks) in fp32, rounding once at the end (Megatron's
-    main_grad; ``fxmegatron.grad_accumulation``); None (default) lets autograd accumulate in
+    main_grad; ``fxmegatron.runtime.grad_accumulation``); None (default) lets autograd accumulate in
     the parameters' dtype.
     """
     axes = _mesh_axes(mesh)

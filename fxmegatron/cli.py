@@ -6,7 +6,7 @@
 ``compile`` calls FUNCTION() -> (model, example_batch) (the batch of one training step;
 with data parallelism, of one data-parallel rank times dp), then runs ``parallelize``
 on pp*tp local gloo processes on CPU and writes each rank's stage modules (Python
-source) and weights (safetensors) to FOLDER: see ``fxmegatron.compiled``.
+source) and weights (safetensors) to FOLDER: see ``fxmegatron.io.stage_folder``.
 ``schedule`` draws a pipeline schedule (``python -m fxmegatron.schedules.draw``).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _compile_worker(rank, world, args, tmp):
     from torch.distributed.device_mesh import init_device_mesh
 
     import fxmegatron
-    from fxmegatron.compiled import write_folder
+    from fxmegatron.io.stage_folder import write_folder
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
@@ -96,7 +96,7 @@ def main(argv=None):
     if cmd == "compile":
         return compile_main(rest)
     if cmd == "schedule":
-        from .schedules.draw import main as draw
+        from fxmegatron.schedules.draw import main as draw
         return draw(rest)
     raise SystemExit(f"fxmegatron: unknown command {cmd!r} (compile, schedule)")
 

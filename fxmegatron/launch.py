@@ -48,7 +48,7 @@ def main(argv=None):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .compiled import MANIFEST, load_folder
+    from fxmegatron.io.stage_folder import MANIFEST, load_folder
 
     with open(os.path.join(args.folder, MANIFEST)) as f:
         man = json.load(f)

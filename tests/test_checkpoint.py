@@ -1,11 +1,11 @@
-"""Sharded checkpoints (fxmegatron.checkpoint): resume is bitwise, a checkpoint saved at one
+"""Sharded checkpoints (fxmegatron.io.checkpoint): resume is bitwise, a checkpoint saved at one
 (dp, pp, tp) loads at another, saves are atomic, full_state_dict loads into the unmodified model."""
 import json
 import os
 
 import pytest
 
-from fxmegatron.checkpoint import CheckpointError, load
+from fxmegatron.io.checkpoint import CheckpointError, load
 from tests.distributed import run_distributed
 from tests.workers import ckpt_run, full_state_roundtrip
 

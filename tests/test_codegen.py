@@ -106,7 +106,7 @@ def _dropout_chain(p, shard_dim=-1, start=0, global_shape=()):
 # (37, 300): one Philox call per four elements; (37, 301): an odd count, one per element
 @pytest.mark.parametrize("p,shape", [(0.1, (37, 301)), (0.5, (37, 301)), (0.1, (37, 300))])
 def test_kernel_dropout_keep_rate_and_backward_mask(p, shape):
-    from fxmegatron.rng import DropoutRng, keep_mask
+    from fxmegatron.ops.dropout import DropoutRng, keep_mask
     key = DropoutRng(seed=11).next_key("cpu")
     fused = _dropout_chain(p)
     x = (torch.rand(shape) + 0.5).requires_grad_()       # never 0: a zero output means dropped
@@ -129,7 +129,7 @@ def test_kernel_dropout_keep_rate_and_backward_mask(p, shape):
 @pytest.mark.parametrize("gshape", [(3, 40, 24), (3, 10, 6)])
 def test_kernel_dropout_of_a_shard_is_a_piece_of_the_unsplit_mask(gshape):
     from fxmegatron.placement import Shard, take_shard
-    from fxmegatron.rng import DropoutRng, keep_mask, local_layout
+    from fxmegatron.ops.dropout import DropoutRng, keep_mask, local_layout
     key = DropoutRng(seed=2).next_key("cpu")
     full = keep_mask(key, 3, 0.3, gshape, gshape)
     for r in range(4):
@@ -169,7 +169,7 @@ def test_fused_dropout_model_equals_unfused():
 def test_fused_cross_entropy_matches_eager(rows, vocab):
     """The fused cross-entropy kernels (online log-sum-exp; backward from the saved logits)
     against F.cross_entropy, with ignored targets, over vocabularies longer than a kernel block."""
-    from fxmegatron.vocab_parallel import vocab_parallel_cross_entropy
+    from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
     g = torch.Generator().manual_seed(rows * vocab)
     logits = (4 * torch.randn(rows, vocab, generator=g)).requires_grad_()
     target = torch.randint(0, vocab, (rows,), generator=g)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from fxmegatron.dump import collective_nodes, write_dump
+from fxmegatron.io.dump import collective_nodes, write_dump
 from tests import models
 from tests.helpers import transform
 

@@ -7,8 +7,8 @@ cudaMemcpy2DAsync between symmetric buffers, run on GPUs only: benchmarks/end_to
 import pytest
 import torch
 
-from fxmegatron.copy_engine import blocks, copy_blocks, gather_order, scatter_slots, seq_view
-from fxmegatron.overlapped_linear import _mm_piece
+from fxmegatron.ops.copy_engine import blocks, copy_blocks, gather_order, scatter_slots, seq_view
+from fxmegatron.ops.overlapped_linear import _mm_piece
 
 
 @pytest.mark.parametrize("shape,dim,world", [((4, 12, 5), 1, 2), ((6, 3, 8, 2), 2, 4), ((2, 9, 7), 1, 3),

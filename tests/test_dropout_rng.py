@@ -1,4 +1,4 @@
-"""Counter-based dropout (fxmegatron.rng): masks keyed by global element index.
+"""Counter-based dropout (fxmegatron.ops.dropout): masks keyed by global element index.
 
 With dropout > 0: recompute on gives bitwise the losses and gradients of recompute off
 (world 2 and 4), masks differ across tp ranks inside tp regions and agree outside, and
@@ -9,7 +9,7 @@ import torch
 
 import fxmegatron
 from fxmegatron.placement import Shard, take_shard
-from fxmegatron.rng import DropoutRng, keep_mask, local_layout
+from fxmegatron.ops.dropout import DropoutRng, keep_mask, local_layout
 from tests import models
 from tests.distributed import run_distributed
 from tests.workers import dropout_runs

@@ -1,11 +1,11 @@
 """fp32 gradient accumulation over microbatches (``parallelize(grad_accum_dtype=torch.float32)``,
-``fxmegatron.grad_accumulation``): the hook's arithmetic on a crafted case where bf16 loses
+``fxmegatron.runtime.grad_accumulation``): the hook's arithmetic on a crafted case where bf16 loses
 the small terms, and a bf16 model's gradients against float64 at one process, dp2 and pp2."""
 import pytest
 import torch
 
 from fxmegatron.errors import FxMegatronError
-from fxmegatron.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
+from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from tests.distributed import run_distributed
 from tests.workers import grad_accum_errors
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fxmegatron
-from fxmegatron.inductor import CompileError
+from fxmegatron.runtime.torch_compile import CompileError
 
 from . import models
 
@@ -63,7 +63,7 @@ def test_collective_functions_return_new_tensors(fn, args):
     """A view of the input from a collective's autograd Function got a zero gradient under
     compile on CUDA (sequence parallelism's split: wpe stayed frozen). Each returns its own
     storage; only f (copy_to_tp) is the identity, as in Megatron."""
-    import fxmegatron.collectives as C
+    import fxmegatron.ops.collectives as C
     x = torch.randn(6, 4, requires_grad=True)
     y = getattr(C, fn)(x, *args)
     assert torch.equal(y, x) and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

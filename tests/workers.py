@@ -47,10 +47,10 @@ def tp_parity(rank, world, names, steps=3, parallel_kwargs=None):
                     grad_err[n] = rel_err(full[n], p.grad, scale) if n in full else float("inf")
             opt_ref.step(); opt_ref.zero_grad()
             opt.step(); opt.zero_grad()
-        from fxmegatron.overlapped_linear import gathered_linears, scattered_linear
+        from fxmegatron.ops.overlapped_linear import gathered_linears, scattered_linear
         merged = [n.target.__name__ for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
                   for n in m.graph.nodes if n.op == "call_function" and n.target in (gathered_linears, scattered_linear)]
-        from fxmegatron.dump import collective_nodes
+        from fxmegatron.io.dump import collective_nodes
         listed = [k for _, k in collective_nodes(pm.graph_module)]
         out[name] = {"losses_ref": losses_ref, "losses": losses, "grad_err": grad_err, "merged": merged,
                      "listed": listed,
@@ -191,7 +191,7 @@ def dp_overlap_and_zero(rank, world, steps=3):
     import fxmegatron
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from fxmegatron.data_parallel import GradSync
+    from fxmegatron.runtime.data_parallel import GradSync
 
     mesh = mesh_3d(world, 1, 1)
     name = "gpt"
@@ -224,7 +224,7 @@ def ckpt_run(rank, world, layout, steps, first_step=0, load_dir=None, save_dir=N
     tp) from step ``first_step`` (batches are seeded by the step), loading from / saving to a
     checkpoint; returns the losses (floats)."""
     import fxmegatron
-    from fxmegatron import checkpoint
+    from fxmegatron.io import checkpoint
 
     dp, pp, tp = layout
     mesh = mesh_3d(dp, pp, tp)
@@ -359,8 +359,8 @@ def copy_engine_vs_nccl(rank, world):
     the two rounds), so the copy engines are held to NCCL's own error, not to a fixed bound."""
     import torch.distributed as dist
 
-    from fxmegatron import copy_engine
-    from fxmegatron.overlapped_linear import gathered_linears, scattered_linear
+    from fxmegatron.ops import copy_engine
+    from fxmegatron.ops.overlapped_linear import gathered_linears, scattered_linear
 
     pg = dist.group.WORLD
     name = pg.group_name
@@ -422,7 +422,7 @@ def copy_engine_agreement(rank, world, fail_allocate, fail_rendezvous):
     the rendezvous on rank ``fail_rendezvous`` (-1: none): (result, rendezvous was called)."""
     import torch.distributed as dist
 
-    from fxmegatron.copy_engine import agree_to_set_up
+    from fxmegatron.ops.copy_engine import agree_to_set_up
     called = []
 
     def allocate():

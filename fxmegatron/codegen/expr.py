@@ -101,7 +101,7 @@ ELEMENTWISE = {aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.exp, aten.
 @dataclass(frozen=True)
 class DropoutSite:
     """A dropout inside a chain: ``mask`` (a 0/1 symbol in the expressions) is drawn in the kernel
-    by ``tl.rand`` from the key input ``key`` (see ``fxmegatron.rng``) at each element's index in
+    by ``tl.rand`` from the key input ``key`` (see ``fxmegatron.ops.dropout``) at each element's index in
     the unsplit tensor, and drawn again in backward: never stored."""
 
     mask: sp.Symbol
@@ -156,9 +156,9 @@ def rotate_symbol(i: int) -> sp.Symbol:
 def lower_nodes(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> Chain:
     """Expressions for ``outputs`` of the elementwise ``nodes`` over ``inputs`` (scalars inline).
 
-    Besides ATen elementwise ops, a node may be ``fxmegatron.rng.counter_dropout`` (a mask
+    Besides ATen elementwise ops, a node may be ``fxmegatron.ops.dropout.counter_dropout`` (a mask
     symbol) or ``rotate_half`` of an input (the rotated-input symbol)."""
-    from ..rng import counter_dropout
+    from fxmegatron.ops.dropout import counter_dropout
 
     syms = sp.symbols(f"x0:{len(inputs)}", real=True)
     env: Dict[fx.Node, sp.Expr] = dict(zip(inputs, syms))

@@ -9,7 +9,7 @@ The output is seen as [M, N] (N its last dim) and each kernel program owns a
 * ``bcast``: any other shape that broadcasts to the output (rotary cos/sin,
   an attention mask); its offset is computed from the tile's coordinates, and its
   gradient, when asked for, is stored at full size and summed on the host;
-* ``key``: a dropout key (``fxmegatron.rng``), read as two scalars.
+* ``key``: a dropout key (``fxmegatron.ops.dropout``), read as two scalars.
 
 Loads are upcast to fp32, the arithmetic is fp32, stores cast to the output's
 dtype. Dropout masks come from ``tl.randint4x`` (one Philox call per four elements)
@@ -34,7 +34,7 @@ import sympy as sp
 import torch
 from sympy.printing.str import StrPrinter
 
-from .expr import Chain, Sigmoid
+from fxmegatron.codegen.expr import Chain, Sigmoid
 
 FULL, ROW, BCAST, KEY = "full", "row", "bcast", "key"
 _UNIFORM_SCALE = 4.6566127342e-10      # triton.language.random.uint_to_uniform_float, 32-bit
@@ -269,7 +269,7 @@ class _Emitter:
             self.add("sgn = tl.where(cols < H, -1.0, 1.0)")
         for j, d in enumerate(self.chain.dropouts):
             k = self.xs[d.key]
-            # Philox key (k0, k1) = (mixed seed + site mod 2**32, step): see fxmegatron.rng.philox_key
+            # Philox key (k0, k1) = (mixed seed + site mod 2**32, step): see fxmegatron.ops.dropout.philox_key
             self.add(f"sd{j} = (tl.load({k}_ptr + 1) << 32) + ((tl.load({k}_ptr) + {d.site}) % 4294967296)")
 
     def _gidx(self, d, offs: str) -> str:
@@ -283,7 +283,7 @@ class _Emitter:
 
     def _random_words(self, j: int, d, offs: str, quarter: bool):
         """``rr{j}``: element g's random word is word g % 4 of Philox at counter g // 4
-        (``tl.randint4x``, as ``fxmegatron.rng.philox_uniform``). With ``quarter`` (groups of
+        (``tl.randint4x``, as ``fxmegatron.ops.dropout.philox_uniform``). With ``quarter`` (groups of
         four elements are aligned along the tile's columns) one Philox call serves four
         columns; otherwise each element calls it and keeps its own word."""
         if quarter:

@@ -2,7 +2,7 @@
 
 Runs after the tensor-parallel rewrite, while ``node.meta["val"]`` still holds
 the unsplit value and ``node.meta["placement"]`` how this rank holds it. See
-``fxmegatron.rng`` for why this gives Megatron's RNG semantics (masks equal
+``fxmegatron.ops.dropout`` for why this gives Megatron's RNG semantics (masks equal
 across tp ranks outside tp regions, different inside) and tp-independent results.
 
 Dropout inside fused attention (``scaled_dot_product_attention`` with
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..errors import ShardingError
-from ..placement import R
-from ..rng import DropoutRng, counter_dropout, counter_dropout_attention, local_layout, rng_key
+from fxmegatron.errors import ShardingError
+from fxmegatron.placement import R
+from fxmegatron.ops.dropout import DropoutRng, counter_dropout, counter_dropout_attention, local_layout, rng_key
 
 aten = torch.ops.aten
 RNG_ATTR = "fxm_rng"

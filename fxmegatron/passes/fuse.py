@@ -8,7 +8,7 @@ between members as long as none of them uses a member, so every member used late
 can be an output of the fused call placed at the run's last member.
 
 Besides ATen elementwise ops a group may hold counter-based dropout
-(``fxmegatron.rng``; the kernel draws the same mask with ``tl.rand``), ``where`` /
+(``fxmegatron.ops.dropout``; the kernel draws the same mask with ``tl.rand``), ``where`` /
 ``masked_fill``, and the rotary embedding's ``cat(-x2, x1)``, which is first
 rewritten to ``rotate_half(x)`` so that it reads one input.
 
@@ -26,10 +26,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..codegen.expr import ELEMENTWISE, lower_nodes, rotate_half
-from ..codegen.triton_kernel import BCAST, FULL, KEY, ROW, FusedChain, kernels_run
-from ..rng import counter_dropout, rng_key
-from .outline import boundary, outline
+from fxmegatron.codegen.expr import ELEMENTWISE, lower_nodes, rotate_half
+from fxmegatron.codegen.triton_kernel import BCAST, FULL, KEY, ROW, FusedChain, kernels_run
+from fxmegatron.ops.dropout import counter_dropout, rng_key
+from fxmegatron.passes.outline import boundary, outline
 
 aten = torch.ops.aten
 
@@ -209,7 +209,7 @@ def _rewrite(gm: fx.GraphModule, group: List[fx.Node], index: int) -> None:
 
 def apply_fuse(gm: fx.GraphModule) -> fx.GraphModule:
     """Fuse every elementwise run of ``gm`` and of its recomputed regions; in place."""
-    from .recompute import Recomputed
+    from fxmegatron.passes.recompute import Recomputed
 
     for mod in list(gm.modules()):
         if isinstance(mod, Recomputed):

@@ -7,7 +7,7 @@ Two patterns of the tensor-parallel graph with sequence parallelism:
 * ``linear(y, W)`` (a row-parallel linear: its bias is added after the scatter) whose
   only user is ``scatter_seq`` -> ``scattered_linear(y, W)``.
 
-The merged ops (``fxmegatron.overlapped_linear``) cut the batch into ``chunks`` pieces
+The merged ops (``fxmegatron.ops.overlapped_linear``) cut the batch into ``chunks`` pieces
 and run each piece's collective while the previous piece's matmuls run.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..collectives import gather_seq, scatter_seq
-from ..overlapped_linear import gathered_linears, scattered_linear
+from fxmegatron.ops.collectives import gather_seq, scatter_seq
+from fxmegatron.ops.overlapped_linear import gathered_linears, scattered_linear
 
 aten = torch.ops.aten
 

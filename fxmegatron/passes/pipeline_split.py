@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..errors import FxMegatronError
-from .recompute import block_of
+from fxmegatron.errors import FxMegatronError
+from fxmegatron.passes.recompute import block_of
 
 aten = torch.ops.aten
 

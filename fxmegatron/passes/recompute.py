@@ -26,9 +26,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ..capture import module_path
-from .outline import outline
-from ..rng import counter_dropout_attention
+from fxmegatron.capture import module_path
+from fxmegatron.passes.outline import outline
+from fxmegatron.ops.dropout import counter_dropout_attention
 
 aten = torch.ops.aten
 

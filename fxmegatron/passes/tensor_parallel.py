@@ -39,12 +39,12 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 
-from ..capture import module_path
-from ..collectives import (all_gather_seq, copy_to_tp, gather_seq, local_shard, reduce_from_tp,
+from fxmegatron.capture import module_path
+from fxmegatron.ops.collectives import (all_gather_seq, copy_to_tp, gather_seq, local_shard, reduce_from_tp,
                            scatter_seq, split_seq)
-from ..errors import ShardingError
-from ..placement import Partial, Placement, R, Replicate, Shard
-from ..vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from fxmegatron.errors import ShardingError
+from fxmegatron.placement import Partial, Placement, R, Replicate, Shard
+from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 aten = torch.ops.aten
 

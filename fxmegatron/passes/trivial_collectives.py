@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..collectives import COLLECTIVES, local_shard
+from fxmegatron.ops.collectives import COLLECTIVES, local_shard
 
 
 def drop_trivial_collectives(gm: fx.GraphModule) -> int:

@@ -15,9 +15,9 @@ import argparse
 import os
 import sys
 
-from .actions import Schedule, ScheduleError
-from .generate import SCHEDULE_NAMES, make_schedule
-from .simulate import simulate
+from fxmegatron.schedules.actions import Schedule, ScheduleError
+from fxmegatron.schedules.generate import SCHEDULE_NAMES, make_schedule
+from fxmegatron.schedules.simulate import simulate
 
 
 def _colour(kind: str, local_chunk: int, v: int):

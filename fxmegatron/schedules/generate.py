@@ -20,7 +20,7 @@ Constraints (raise :class:`ScheduleError`):
 """
 from __future__ import annotations
 
-from .actions import Action, Schedule, ScheduleError
+from fxmegatron.schedules.actions import Action, Schedule, ScheduleError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
 

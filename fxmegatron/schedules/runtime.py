@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import FxMegatronError
-from .actions import Action, Schedule
+from fxmegatron.errors import FxMegatronError
+from fxmegatron.schedules.actions import Action, Schedule
 
 ERROR_KEY = "fxmegatron/pipeline_error"
 

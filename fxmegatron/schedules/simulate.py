@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .actions import Action, Schedule, ScheduleError
+from fxmegatron.schedules.actions import Action, Schedule, ScheduleError
 
 # (direction, microbatch, producing chunk, src rank, dst rank)
 PairKey = tuple[str, int, int, int, int]

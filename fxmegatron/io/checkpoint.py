@@ -28,9 +28,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .errors import FxMegatronError
-from .placement import R, Placement, Shard, join_shards, take_shard
-from .rng import DropoutRng
+from fxmegatron.errors import FxMegatronError
+from fxmegatron.placement import R, Placement, Shard, join_shards, take_shard
+from fxmegatron.ops.dropout import DropoutRng
 
 FORMAT = "fxmegatron-checkpoint/1"
 

@@ -58,7 +58,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .codegen.multi_tensor import chunk_tables, config, flat_offsets
+from fxmegatron.kernels.multi_tensor import chunk_tables, config, flat_offsets
 
 _SRC = '''
 @triton.jit
@@ -158,7 +158,7 @@ def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
 
 
 def _kernel():
-    from .codegen.triton_kernel import compile_source
+    from fxmegatron.codegen.triton_kernel import compile_source
     return compile_source(_SRC, "adamw_multi")
 
 
@@ -348,7 +348,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load what ``state_dict`` returned (or ``fxmegatron.checkpoint`` reassembled): moments,
+        """Load what ``state_dict`` returned (or ``fxmegatron.io.checkpoint`` reassembled): moments,
         step counts, fp32 masters and each group's hyperparameters. A parameter whose state holds
         no "master" (a checkpoint of another optimizer) takes its master from its current value;
         one with no state at all starts afresh, as in torch."""
@@ -443,7 +443,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _kernels_run(self) -> bool:
         """Whether the step runs the kernel (``table_kernels_run`` on the flat buffers)."""
-        from .codegen.triton_kernel import table_kernels_run
+        from fxmegatron.codegen.triton_kernel import table_kernels_run
         return table_kernels_run(self._w)
 
     def _torch_step(self, grads: List[Optional[Tensor]], live: List[int], grad_scale: Optional[Tensor]) -> None:

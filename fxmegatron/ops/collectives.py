@@ -21,7 +21,7 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 # symbolic group names used by generated stage code ("@tp") -> this job's group names;
-# filled by fxmegatron.compiled when a compiled folder is written or loaded
+# filled by fxmegatron.io.stage_folder when a compiled folder is written or loaded
 GROUP_ALIASES = {}
 
 

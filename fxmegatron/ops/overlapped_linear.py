@@ -24,7 +24,7 @@ call. With one chunk, a gather dim of 0, or a batch not divisible by ``chunks``,
 same code runs unchunked. Every rank of the group must use the same ``chunks``.
 
 ``transport`` says what moves the pieces: "nccl" (the process group's collectives, async
-handles), "copy_engine" (``fxmegatron.copy_engine``: peers pull the pieces from symmetric
+handles), "copy_engine" (``fxmegatron.ops.copy_engine``: peers pull the pieces from symmetric
 buffers with the copy engines, so no SMs are taken from the matmuls), or "auto" (copy
 engines where the group has them, else the process group). Over copy engines the pieces
 are not batch chunks but the ranks' sequence slices (``chunks`` is not used): a gather
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import copy_engine
-from .collectives import _group, _nccl_like
+from fxmegatron.ops import copy_engine
+from fxmegatron.ops.collectives import _group, _nccl_like
 
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 

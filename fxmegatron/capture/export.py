@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
-from .errors import CaptureError
+from fxmegatron.errors import CaptureError
 
 
 class _LossOnly(nn.Module):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from .collectives import all_reduce_max, reduce_from_tp
+from fxmegatron.ops.collectives import all_reduce_max, reduce_from_tp
 
 
 def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int) -> Tensor:
@@ -29,10 +29,10 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
     """
     out_dtype = logits.dtype
-    from .codegen.triton_kernel import kernels_in_compiled_graph, kernels_run
+    from fxmegatron.codegen.triton_kernel import kernels_in_compiled_graph, kernels_run
     # a real GPU tensor, the interpreter, or torch.compile tracing for either (the op stays a call)
     if kernels_run(logits) or kernels_in_compiled_graph(logits):
-        from .codegen.cross_entropy import fused_vocab_cross_entropy
+        from fxmegatron.kernels.cross_entropy import fused_vocab_cross_entropy
         loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index)
         return _reduce(loss, target != ignore_index, reduction, out_dtype)
     logits = logits.float()    # softmax statistics in fp32 whatever the model's dtype, as Megatron does

@@ -22,8 +22,8 @@ import functools
 import torch
 import torch.fx as fx
 
-from .errors import FxMegatronError
-from .rng import rng_key
+from fxmegatron.errors import FxMegatronError
+from fxmegatron.ops.dropout import rng_key
 
 
 class CompileError(FxMegatronError, ValueError):

@@ -16,13 +16,13 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .capture import Captured, retarget_device
-from .errors import FxMegatronError
-from .materialize import local_parameter
-from .passes.pipeline_split import Chunk
-from .placement import R
-from .rng import DropoutRng
-from .schedules.runtime import TensorSpec
+from fxmegatron.capture import Captured, retarget_device
+from fxmegatron.errors import FxMegatronError
+from fxmegatron.runtime.materialize import local_parameter
+from fxmegatron.passes.pipeline_split import Chunk
+from fxmegatron.placement import R
+from fxmegatron.ops.dropout import DropoutRng
+from fxmegatron.schedules.runtime import TensorSpec
 
 
 def split_batch(flat: Sequence, m: int, names: Sequence[str], what: Optional[str] = None) -> List[List]:
@@ -131,7 +131,7 @@ def token_counter(gm: fx.GraphModule, device="cpu"):
     all counted tokens of the batch, as the unmodified model computes it, also when
     microbatches hold different numbers of ignored labels.
     """
-    from .vocab_parallel import vocab_parallel_cross_entropy
+    from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
 
     losses = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is vocab_parallel_cross_entropy]
     if len(losses) != 1:

@@ -7,10 +7,10 @@ from typing import Dict
 import torch
 import torch.fx as fx
 
-from .capture import module_path
-from .collectives import COLLECTIVES
-from .overlapped_linear import OVERLAPPED_COLLECTIVES
-from .vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
+from fxmegatron.capture import module_path
+from fxmegatron.ops.collectives import COLLECTIVES
+from fxmegatron.ops.overlapped_linear import OVERLAPPED_COLLECTIVES
+from fxmegatron.ops.vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
 
 
 def collective_nodes(gm: fx.GraphModule):

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .placement import Placement, Shard, shard_slices
+from fxmegatron.placement import Placement, Shard, shard_slices
 
 _MASK = 0xFFFFFFFF
 
@@ -150,8 +150,8 @@ def _dropout_kernel(p, site, global_shape, shard_dim, slices):
     again in backward) instead of Philox's ~250 int64 torch ops."""
     k = (p, site, global_shape, shard_dim, tuple(slices))
     if k not in _KERNELS:
-        from .codegen.expr import dropout_chain
-        from .codegen.triton_kernel import FULL, KEY, FusedChain
+        from fxmegatron.codegen.expr import dropout_chain
+        from fxmegatron.codegen.triton_kernel import FULL, KEY, FusedChain
         start = slices[0][0] if slices else 0
         _KERNELS[k] = FusedChain(dropout_chain(p, site, global_shape, shard_dim if slices else -1, start),
                                  [FULL, KEY])
@@ -165,7 +165,7 @@ def counter_dropout(x: Tensor, p: float, train: bool, key: Tensor, site: int,
         return x
     if p >= 1.0:
         return x * 0.0
-    from .codegen.triton_kernel import kernels_run
+    from fxmegatron.codegen.triton_kernel import kernels_run
     # GPUs only: under the CPU interpreter the torch form is faster and draws the same bits
     if kernels_run(x, interpreter=False) and len(slices) <= 1 and math.prod(global_shape) < 2 ** 32:
         return _dropout_kernel(p, site, tuple(global_shape), shard_dim, slices).apply(x, key)

@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .placement import Placement, Shard, local_shape, shard_slices, take_shard
+from fxmegatron.placement import Placement, Shard, local_shape, shard_slices, take_shard
 
 _CHUNK = 1 << 20
 

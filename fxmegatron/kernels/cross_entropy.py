@@ -1,6 +1,6 @@
 """Fused (vocab-parallel) cross-entropy: two Triton kernels instead of fp32 copies of the logits.
 
-The unfused form (``fxmegatron.vocab_parallel``) upcasts the [N, V/t] logits to fp32
+The unfused form (``fxmegatron.ops.vocab_parallel``) upcasts the [N, V/t] logits to fp32
 and keeps several full-size fp32 tensors for backward. Here
 
 * forward: one pass over each row of the rank's logits, in their dtype, with an
@@ -58,18 +58,18 @@ _BV_FWD, _BV_BWD = 2048, 1024
 
 
 def _kernels():
-    from .triton_kernel import compile_source
+    from fxmegatron.codegen.triton_kernel import compile_source
     return compile_source(_SRC, "ce_fwd"), compile_source(_SRC, "ce_bwd")
 
 
 # torch.library ops, so that torch.compile keeps them as calls (inductor would otherwise
-# trace the unfused fp32 form); ``group_name`` as in ``fxmegatron.collectives``
+# trace the unfused fp32 form); ``group_name`` as in ``fxmegatron.ops.collectives``
 @torch.library.custom_op("fxmegatron::vocab_ce", mutates_args=())
 def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: str) -> Tuple[Tensor, Tensor]:
     """(per-row losses, per-row log-sum-exp) of [N, V/t] logits split along the vocabulary."""
     import torch.distributed as dist
 
-    from ..collectives import _group
+    from fxmegatron.ops.collectives import _group
     fwd, _ = _kernels()
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     n, v = x.shape

@@ -1,0 +1,1 @@
+"""What leaves the process: checkpoints, stage folders, dumps."""

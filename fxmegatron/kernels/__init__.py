@@ -1,0 +1,1 @@
+"""Hand-written Triton kernels: fused vocab-parallel cross-entropy, multi-tensor tables."""

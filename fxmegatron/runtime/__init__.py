@@ -1,0 +1,2 @@
+"""What runs a rank's program: stages, materialisation, data parallelism, gradient
+accumulation, torch.compile, memory accounting."""
