@@ -15,6 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxmegatron.capture import Captured, batch_args, capture, retarget_device
+from fxmegatron.capture.inputs import check_batch
+from fxmegatron.runtime.batch_check import check_same_batch
 from fxmegatron.runtime.data_parallel import GradSync
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from fxmegatron.io.dump import write_dump
@@ -84,8 +86,11 @@ def _mesh_axes(mesh) -> Dict[str, Axis]:
     return axes
 
 
-def _runtime_device(mesh) -> torch.device:
-    if mesh is None or mesh.device_type == "cpu":
+def _runtime_device(mesh, model: Optional[nn.Module] = None) -> torch.device:
+    if mesh is None:    # one process: where the model is (a meta model runs on the CPU)
+        dev = next((p.device for p in model.parameters()), None) if model is not None else None
+        return dev if dev is not None and dev.type != "meta" else torch.device("cpu")
+    if mesh.device_type == "cpu":
         return torch.device("cpu")
     if mesh.device_type == "meta":
         return torch.device("meta")
@@ -127,6 +132,9 @@ class ParallelModel(nn.Module):
         self.pp_size, self.pp_rank = axes["pp"].size, axes["pp"].rank
         self.dp_size, self.dp_rank = axes["dp"].size, axes["dp"].rank
         self.microbatches = microbatches
+        self._input_names = list(captured.input_names)
+        # the first steps check that every tp and pp rank got the same batch (see check_same_batch)
+        self.batch_checks = 3
         self._grad_sync: Optional[GradSync] = None
         self._grad_accum: Optional[Fp32GradAccumulator] = None
         self._count_tokens = None       # flat microbatch -> tokens its loss averages over
@@ -164,7 +172,13 @@ class ParallelModel(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise TypeError(f"batch structure {spec} differs from the example batch's {self._in_spec}")
+        if self.batch_checks > 0:
+            self.batch_checks -= 1
+            check_same_batch(flat, self._input_names, self._axes)
         return flat
+
+    def _check_micro(self, micro, what):
+        check_batch(micro, self._example_inputs, self._input_names, what)
 
     @property
     def dp_group(self):
@@ -179,7 +193,9 @@ class ParallelModel(nn.Module):
         if self.dp_size > 1:
             raise RuntimeError("with data parallelism, call train_step(batch) with the global batch: it takes this "
                                "rank's share and averages gradients over dp")
-        return self.graph_module(*self._flat(args, kwargs))[0]
+        flat = self._flat(args, kwargs)
+        self._check_micro(flat, "batch")
+        return self.graph_module(*flat)[0]
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one batch, split into ``microbatches``; gradients accumulate
@@ -192,6 +208,8 @@ class ParallelModel(nn.Module):
         if self.dp_size > 1:    # this data-parallel rank's share of the global batch
             flat = split_batch(flat, self.dp_size, names, f"dp={self.dp_size}")[self.dp_rank]
         micro = split_batch(flat, m, names)
+        self._check_micro(micro[0], f"microbatch (the batch split over dp={self.dp_size} and m={m})"
+                          if m * self.dp_size > 1 else "batch")
         weights = self._loss_weights(micro)
         if self._grad_accum is not None:
             self._grad_accum.start(m)
@@ -433,7 +451,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                               pp.size, virtual_stages, microbatches)
     elif schedule not in (None, "gpipe", "1f1b"):
         raise ScheduleError(f"schedule={schedule!r} needs a pipeline (a 'pp' mesh dim > 1 or virtual_stages > 1)")
-    device = _runtime_device(mesh)
+    device = _runtime_device(mesh, model)
     timings = {}
     t0 = time.perf_counter()
     cap = capture(model, _first_microbatch(example_batch, microbatches, dp.size))

@@ -15,3 +15,13 @@ class ShardingError(FxMegatronError):
 
 class MeshError(FxMegatronError):
     """The device mesh does not fit the job (missing dims, wrong size)."""
+
+
+class BatchError(FxMegatronError):
+    """A batch given at run time does not match what the graph was captured for, or the
+    ranks that must see the same batch got different ones."""
+
+
+class VerificationError(FxMegatronError):
+    """The parallel program does not compute what the original model computes: names the
+    first divergent node, its module path and the rule that placed it."""

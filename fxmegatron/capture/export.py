@@ -21,18 +21,20 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
+from fxmegatron.capture.inputs import check_scalar_loss, distinct_inputs, training_kwargs
 from fxmegatron.errors import CaptureError
 
 
 class _LossOnly(nn.Module):
     """Keeps only the loss as the graph's output (HF models return a ModelOutput)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, extra_kwargs=None):
         super().__init__()
         self.model = model
+        self.extra_kwargs = dict(extra_kwargs or {})
 
     def forward(self, *args, **kwargs):
-        out = self.model(*args, **kwargs)
+        out = self.model(*args, **kwargs, **self.extra_kwargs)
         if isinstance(out, torch.Tensor):
             return out
         loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
@@ -59,6 +61,8 @@ class Captured:
     device: torch.device                # where the example was captured
     model_cls: str = ""
     input_names: List[str] = field(default_factory=list)
+    example_inputs: List[Any] = field(default_factory=list)   # flat example batch (shapes, dtypes)
+    notes: List[str] = field(default_factory=list)           # what capture changed, for the plan
 
 
 def batch_args(batch):
@@ -100,8 +104,13 @@ def capture(model: nn.Module, example_batch) -> Captured:
     model_dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     if model_dev.type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    args, kwargs, cloned = distinct_inputs(args, kwargs)
+    extra = training_kwargs(model, kwargs)
+    notes = [f"example input {c} shares storage with an earlier input: captured as a distinct input"
+             for c in cloned]
+    notes += [f"captured with {k}={v!r} (a training graph keeps no inference cache)" for k, v in extra.items()]
     try:
-        ep = torch.export.export(_LossOnly(model), args, kwargs, strict=False)
+        ep = torch.export.export(_LossOnly(model, extra), args, kwargs, strict=False)
     except CaptureError:
         raise
     except Exception as exc:  # export raises many types; we add the place and re-raise
@@ -113,7 +122,13 @@ def capture(model: nn.Module, example_batch) -> Captured:
         raise CaptureError(
             f"could not trace {type(model).__name__}.forward to a graph at {_user_location(exc)}: "
             f"{type(exc).__name__}: {first}.{hint}") from exc
-    return _unlift(ep, model, args, kwargs, model_dev)
+    cap = _unlift(ep, model, args, kwargs, model_dev)
+    out = next(n for n in cap.gm.graph.nodes if n.op == "output")
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in pytree.tree_leaves(out.args[0])]
+    check_scalar_loss(model, vals[0] if len(vals) == 1 else tuple(vals))
+    cap.example_inputs = pytree.tree_leaves((args, kwargs))
+    cap.notes = notes
+    return cap
 
 
 def _unlift(ep, model, args, kwargs, device) -> Captured:

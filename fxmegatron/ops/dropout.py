@@ -92,13 +92,22 @@ class DropoutRng(nn.Module):
         self.step = 0
 
     def next_key(self, device) -> Tensor:
-        """The key for one forward call: (mixed seed, step), then the step advances."""
+        """The key for one forward call: (mixed seed, step), then the step advances. In eval mode
+        (``module.eval()``) the key has a third word and dropout is off: the step stays."""
+        if not self.training:
+            return torch.zeros(3, dtype=torch.int64, device=device)
         key = torch.tensor([_mix(self.seed ^ 0x2545F491), self.step & _MASK], dtype=torch.int64, device=device)
         self.step += 1
         return key
 
     def extra_repr(self):
         return f"seed={self.seed}, step={self.step}"
+
+
+def dropout_off(key: Tensor) -> bool:
+    """Whether ``key`` is an eval-mode key: its length is static, so this is no device sync and
+    torch.compile guards on it."""
+    return key.shape[0] == 3
 
 
 def rng_key(rng: DropoutRng, like: Tensor) -> Tensor:
@@ -161,7 +170,7 @@ def _dropout_kernel(p, site, global_shape, shard_dim, slices):
 def counter_dropout(x: Tensor, p: float, train: bool, key: Tensor, site: int,
                     global_shape: Tuple[int, ...], shard_dim: int = -1, slices=()) -> Tensor:
     """``aten.dropout`` with a mask keyed by global element index (see module doc)."""
-    if not train or p == 0.0:
+    if not train or p == 0.0 or dropout_off(key):
         return x
     if p >= 1.0:
         return x * 0.0
@@ -185,6 +194,9 @@ def counter_dropout_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Te
     unfused (the math path, as PyTorch's own CPU path does with dropout).
     ``global_shape`` is the unsplit (batch, heads, q_len, kv_len) of the scores.
     """
+    if dropout_off(key):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)

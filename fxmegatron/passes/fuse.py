@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from fxmegatron.codegen.expr import ELEMENTWISE, lower_nodes, rotate_half
 from fxmegatron.codegen.triton_kernel import BCAST, FULL, KEY, ROW, FusedChain, kernels_run
-from fxmegatron.ops.dropout import counter_dropout, rng_key
+from fxmegatron.ops.dropout import counter_dropout, dropout_off, rng_key
 from fxmegatron.passes.outline import boundary, outline
 
 aten = torch.ops.aten
@@ -45,7 +45,8 @@ class Fused(nn.Module):
         self.kernel = FusedChain(chain, kinds, shapes)
 
     def forward(self, *xs):
-        if kernels_run(xs[0]):
+        # eval mode: the fallback's dropouts read the key and do nothing; the kernel would draw
+        if kernels_run(xs[0]) and not any(k == KEY and dropout_off(x) for k, x in zip(self.kinds, xs)):
             out = self.kernel.apply(*xs)
             return out if isinstance(out, tuple) else (out,)
         return self.fallback(*xs)
