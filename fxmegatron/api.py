@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -24,6 +25,7 @@ from fxmegatron.errors import MeshError, ShardingError
 from fxmegatron.runtime.torch_compile import check_compile_options, compile_graph
 from fxmegatron.runtime.materialize import local_parameter
 from fxmegatron.passes.dropout_rng import RNG_ATTR, apply_counter_rng
+from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.pipeline_split import Chunk, split_pipeline
 from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
@@ -379,6 +381,10 @@ class ParallelModel(nn.Module):
                 "planning attempts": str(self._plan.attempts)}
         for name, why in self._plan.replicated_params.items():
             info[f"kept replicated: {name}"] = why
+        if getattr(self, "coverage", None) is not None:
+            info["split"] = self.coverage.summary(top=10)
+        for i, note in enumerate(getattr(self, "notes", [])):
+            info[f"capture note {i}"] = note
         root = f"{directory}/rank{dist.get_rank() if dist.is_initialized() else 0}"
         if self._pipeline is None:
             write_dump(root, self.graph_module, info)
@@ -398,7 +404,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                 schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
                 fuse: bool = False, compile=False, tp_comm_overlap: int = 0, tp_comm_transport: str = "auto",
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
-                grad_accum_dtype: Optional[torch.dtype] = None, _chunked: bool = False) -> ParallelModel:
+                grad_accum_dtype: Optional[torch.dtype] = None, verify: bool = False, min_split: float = 0.5,
+                _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
     ``mesh``: a torch DeviceMesh with dims named "tp" and/or "pp" (or None: one process).
@@ -431,6 +438,11 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     step's microbatches (and pipeline chunks) in fp32, rounding once at the end (Megatron's
     main_grad; ``fxmegatron.runtime.grad_accumulation``); None (default) lets autograd accumulate in
     the parameters' dtype.
+    ``verify``: before transforming, check the tensor-parallel layout (tp, sequence parallelism,
+    recompute) against the model in eager on simulated ranks in this process
+    (``fxmegatron.verify``; needs the model's real weights, so use it with a tiny config).
+    ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
+    matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """
     axes = _mesh_axes(mesh)
     tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
@@ -452,18 +464,16 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     elif schedule not in (None, "gpipe", "1f1b"):
         raise ScheduleError(f"schedule={schedule!r} needs a pipeline (a 'pp' mesh dim > 1 or virtual_stages > 1)")
     device = _runtime_device(mesh, model)
+    if verify:
+        _verify_first(model, example_batch, tp.size, sequence_parallel, recompute, seed)
     timings = {}
     t0 = time.perf_counter()
     cap = capture(model, _first_microbatch(example_batch, microbatches, dp.size))
     timings["capture_s"] = time.perf_counter() - t0
     gm = cap.gm
     t0 = time.perf_counter()
-    plan = plan_tensor_parallel(gm, tp.size, cap.params.keys(), sequence_parallel)
-    apply_tensor_parallel(gm, plan, tp.rank, tp.group_name)
-    if tp.size == 1:
-        drop_trivial_collectives(gm)
-    # data-parallel replicas see different samples: their dropout masks must differ too
-    apply_counter_rng(gm, tp.rank, tp.size, seed + 0x9E3779B1 * dp.rank)
+    plan = transform_rank(gm, cap, tp.size, tp.rank, tp.group_name, sequence_parallel, seed, dp.rank)
+    cov = coverage(gm, plan, cap.params)    # before shapes become local
     timings["tensor_parallel_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     local = assemble_local(gm, cap, plan, tp.rank, tp.size, "meta" if pipelined else device, state_dict, seed)
@@ -503,12 +513,50 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
         pm._meta = [local]   # a plain list: not a submodule, its parameters are meta
     pm._recompute = recompute if isinstance(recompute, str) else getattr(recompute, "name", str(recompute))
     pm._seed = seed
+    pm.coverage = cov
+    pm.notes = list(cap.notes)
+    _warn_coverage(cov, min_split)
     if microbatches > 1 or dp.size > 1:
         pm._count_tokens = token_counter(local, device)
     pm._example_inputs = [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"]
     uses = chunk_uses(pipe.chunks, pipe.stage.modules, pipe.stage.params) if pipe is not None else {}
     attach_grad_hooks(pm, uses, dp, grad_accum_dtype)
     return pm
+
+
+def transform_rank(gm: fx.GraphModule, cap: Captured, tp: int, tp_rank: int, group_name: str,
+                   sequence_parallel: bool, seed: int, dp_rank: int = 0) -> TPPlan:
+    """The graph passes that make one tensor-parallel rank's graph from the captured one, in
+    place: placement planning, the rewrite with f/g and sequence collectives on
+    ``group_name``, and counter-based dropout. Returns the plan."""
+    plan = plan_tensor_parallel(gm, tp, cap.params.keys(), sequence_parallel)
+    apply_tensor_parallel(gm, plan, tp_rank, group_name)
+    if tp == 1:
+        drop_trivial_collectives(gm)
+    # data-parallel replicas see different samples: their dropout masks must differ too
+    apply_counter_rng(gm, tp_rank, tp, seed + 0x9E3779B1 * dp_rank)
+    return plan
+
+
+def _verify_first(model, example_batch, tp, sequence_parallel, recompute, seed) -> None:
+    import copy
+
+    from fxmegatron.verify import verify as check
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ShardingError("parallelize(verify=True) runs the model on simulated ranks and needs real weights: "
+                            "verify a tiny config of it with fxmegatron.verify (or `fxmegatron verify`) instead")
+    cpu = copy.deepcopy(model).cpu()
+    report = check(cpu, pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), example_batch), tp=tp,
+                   sequence_parallel=sequence_parallel, recompute=recompute, seed=seed)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"fxmegatron: {report}", flush=True)
+
+
+def _warn_coverage(cov, min_split: float) -> None:
+    if cov.tp > 1 and cov.flops_split < min_split and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(f"fxmegatron: only {cov.flops_split:.0%} of the matmul FLOPs are split over tp={cov.tp} "
+                      f"(min_split={min_split:.0%}): the largest replicated ones are\n"
+                      + "\n".join(f"  {w} ({f:.1%}): {why}" for w, f, why in cov.replicated[:5]), stacklevel=3)
 
 
 def chunk_uses(chunks: Sequence[Chunk], modules: Mapping, params: Mapping) -> Dict[int, int]:

@@ -152,9 +152,9 @@ def write_folder(pm, folder: str) -> None:
     for dim in ("tp", "pp", "dp"):
         if pm._axes[dim].group_name:
             groups[pm._axes[dim].group_name] = "@" + dim
-    from fxmegatron.ops import collectives
+    from fxmegatron.ops import groups
     for real, sym in groups.items():   # the live model keeps running on the symbolic names
-        collectives.GROUP_ALIASES[sym] = real
+        groups.GROUP_ALIASES[sym] = real
     sub = os.path.join(folder, f"pp{pm.pp_rank}-tp{pm.tp_rank}")
     os.makedirs(sub, exist_ok=True)
     with open(os.path.join(sub, "stage.py"), "w") as f:
@@ -211,7 +211,7 @@ def _get(mod, target):
 def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
     """A ``ParallelModel`` for this rank from a compiled folder (no model code needed).
     ``grad_accum_dtype``: as ``parallelize``'s."""
-    from fxmegatron.ops import collectives
+    from fxmegatron.ops import groups
     from fxmegatron.api import ParallelModel, Pipeline, _mesh_axes, _runtime_device, attach_grad_hooks, chunk_uses
     from fxmegatron.runtime.grad_accumulation import check_grad_accum_dtype
     from fxmegatron.passes.pipeline_split import Chunk
@@ -233,7 +233,7 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
             raise CompiledFolderError(f"{folder} was compiled for {dim}={man['layout'][dim]}, the mesh has "
                                       f"{dim}={axes[dim].size}")
     for dim in ("tp", "pp", "dp"):
-        collectives.GROUP_ALIASES["@" + dim] = axes[dim].group_name
+        groups.GROUP_ALIASES["@" + dim] = axes[dim].group_name
     device = device or _runtime_device(mesh)
     pp, tp, dp = axes["pp"], axes["tp"], axes["dp"]
     sub = os.path.join(folder, f"pp{pp.rank}-tp{tp.rank}")

@@ -67,9 +67,7 @@ def _kernels():
 @torch.library.custom_op("fxmegatron::vocab_ce", mutates_args=())
 def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: str) -> Tuple[Tensor, Tensor]:
     """(per-row losses, per-row log-sum-exp) of [N, V/t] logits split along the vocabulary."""
-    import torch.distributed as dist
-
-    from fxmegatron.ops.collectives import _group
+    from fxmegatron.ops.groups import communicator
     fwd, _ = _kernels()
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     n, v = x.shape
@@ -77,13 +75,11 @@ def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: st
     mx = torch.empty(n, dtype=torch.float32, device=x.device)
     sm, pick = torch.empty_like(mx), torch.empty_like(mx)
     fwd[(n,)](x, t, mx, sm, pick, v, x.stride(0), BV=_BV_FWD)
-    group = _group(group_name)
-    if group is not None and dist.get_world_size(group) > 1:
-        gmax = mx.clone()
-        dist.all_reduce(gmax, dist.ReduceOp.MAX, group=group)
+    comm = communicator(group_name)
+    if comm is not None:
+        gmax = comm.all_reduce(mx, "max")
         sm = sm * torch.exp(mx - gmax)
-        both = torch.stack([sm, pick])
-        dist.all_reduce(both, group=group)
+        both = comm.all_reduce(torch.stack([sm, pick]), "sum")
         sm, pick, mx = both[0], both[1], gmax
     lse = torch.log(sm) + mx
     return (lse - pick).masked_fill(~valid, 0.0), lse

@@ -8,40 +8,22 @@ pair f/g is built on it as autograd functions:
 * ``reduce_from_tp`` (g): all-reduce forward, identity backward
 
 A group is named by its ``group_name`` string (as torch's functional
-collectives do); the empty name means a group of one, where every collective
-is the identity.
+collectives do) and resolved at run time by ``fxmegatron.ops.groups``: a process
+group, a rank of a group simulated in this process, or (the empty name) a group
+of one, where every collective is the identity.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-# symbolic group names used by generated stage code ("@tp") -> this job's group names;
-# filled by fxmegatron.io.stage_folder when a compiled folder is written or loaded
-GROUP_ALIASES = {}
-
-
-def _group(group_name: str):
-    if group_name.startswith("@"):
-        group_name = GROUP_ALIASES[group_name]
-    if not group_name:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
+from fxmegatron.ops.groups import communicator
 
 
 @torch.library.custom_op("fxmegatron::all_reduce", mutates_args=())
 def all_reduce(x: Tensor, reduce_op: str, group_name: str) -> Tensor:
-    out = x.contiguous().clone()
-    pg = _group(group_name)
-    if pg is not None and dist.get_world_size(pg) > 1:
-        dist.all_reduce(out, op=_OPS[reduce_op], group=pg)
-    return out
+    comm = communicator(group_name)
+    return x.contiguous().clone() if comm is None else comm.all_reduce(x, reduce_op)
 
 
 @all_reduce.register_fake
@@ -49,23 +31,14 @@ def _(x, reduce_op, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _nccl_like(pg) -> bool:
-    return dist.get_backend(pg) != "gloo"
-
-
 @torch.library.custom_op("fxmegatron::all_gather", mutates_args=())
 def all_gather(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
-    pg = _group(group_name)
-    if pg is None or world == 1:
+    comm = communicator(group_name)
+    if comm is None or world == 1:
         return x.contiguous().clone()
-    x = x.contiguous()
-    # NCCL gathers whole tensors one after another: [world, *x.shape]. Moving that world
-    # axis next to ``dim`` and merging the two is the one copy a dim > 0 needs (none at 0).
-    out = x.new_empty((world,) + tuple(x.shape))
-    if _nccl_like(pg):
-        dist.all_gather_into_tensor(out, x, group=pg)
-    else:
-        dist.all_gather(list(out.unbind(0)), x, group=pg)
+    # the gather is [world, *x.shape]: moving that world axis next to ``dim`` and merging the
+    # two is the one copy a dim > 0 needs (none at 0)
+    out = comm.all_gather(x)
     shape = list(x.shape)
     shape[dim] *= world
     return out.movedim(0, dim).reshape(shape)
@@ -80,22 +53,14 @@ def _(x, dim, world, group_name):
 
 @torch.library.custom_op("fxmegatron::reduce_scatter", mutates_args=())
 def reduce_scatter(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
-    pg = _group(group_name)
-    if pg is None or world == 1:
+    comm = communicator(group_name)
+    if comm is None or world == 1:
         return x.contiguous().clone()
     n = x.shape[dim] // world
     # [..., world * n, ...] -> [world, ..., n, ...]: each rank's piece becomes one contiguous
-    # block (the one copy a dim > 0 needs), and NCCL's output is already the result
+    # block (the one copy a dim > 0 needs)
     pieces = x.reshape(x.shape[:dim] + (world, n) + x.shape[dim + 1:]).movedim(dim, 0).contiguous()
-    if _nccl_like(pg):
-        out = pieces.new_empty(pieces.shape[1:])
-        dist.reduce_scatter_tensor(out, pieces, group=pg)
-        return out
-    # gloo has no reduce-scatter: all-reduce, keep our piece (CPU tests only); the clone
-    # because contiguous() may have returned x itself: never reduce into the input
-    pieces = pieces.clone()
-    dist.all_reduce(pieces, group=pg)
-    return pieces[dist.get_rank(pg)].clone()
+    return comm.reduce_scatter(pieces)
 
 
 @reduce_scatter.register_fake

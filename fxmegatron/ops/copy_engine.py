@@ -128,7 +128,7 @@ class Workspace:
 
 
 # Keyed by the resolved group's name and ranks, not by the name the graph passes: a compiled
-# bundle's graph names its groups by alias ("@tp", ``collectives.GROUP_ALIASES``), which a
+# bundle's graph names its groups by alias ("@tp", ``groups.GROUP_ALIASES``), which a
 # later mesh in the same process may point at other ranks.
 _WORKSPACES: Dict[Tuple[str, Tuple[int, ...]], Workspace] = {}
 _RETIRED: List[Workspace] = []      # outgrown, kept: freeing symmetric memory is not this op's call

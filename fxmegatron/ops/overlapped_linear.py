@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fxmegatron.ops import copy_engine
-from fxmegatron.ops.collectives import _group, _nccl_like
+from fxmegatron.ops.groups import nccl_like, resolve_group
 
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
@@ -56,7 +56,7 @@ def _chunks(batch: int, dim: int, chunks: int) -> int:
 def _gather_async(piece: Tensor, world: int, pg):
     """Start gathering ``piece`` from every rank into [world, *piece.shape]; (buffer, work)."""
     out = piece.new_empty((world,) + tuple(piece.shape))
-    if _nccl_like(pg):
+    if nccl_like(pg):
         return out, dist.all_gather_into_tensor(out, piece, group=pg, async_op=True)
     return out, dist.all_gather(list(out.unbind(0)), piece, group=pg, async_op=True)
 
@@ -70,7 +70,7 @@ def _scatter_async(full: Tensor, out: Tensor, dim: int, world: int, pg):
     """Start reduce-scattering ``full`` along ``dim`` into ``out``; returns a wait function."""
     n = full.shape[dim] // world
     pieces = full.unflatten(dim, (world, n)).movedim(dim, 0).contiguous()
-    if _nccl_like(pg):
+    if nccl_like(pg):
         work = dist.reduce_scatter_tensor(out, pieces, group=pg, async_op=True)
         return work.wait
     # gloo has no reduce-scatter: all-reduce, keep this rank's piece (CPU tests)
@@ -99,7 +99,7 @@ def _gather_in_pieces(x: Tensor, dim: int, world: int, group_name: str, k: int, 
     ``x`` lands; ``sel(t)`` is the same piece of any tensor shaped like the gathered one in all
     but the last dim. Pieces are ``k`` batch pieces (every gather queued at once), or, over
     copy engines, the ranks' sequence slices (this rank's own first: ``copy_engine.ring_gather``)."""
-    pg = _group(group_name)
+    pg = resolve_group(group_name)
     if _by_copy_engines(x, dim, world, pg, group_name, transport):
         gathered, ring = copy_engine.ring_gather(x, dim, world, pg, group_name)
         return gathered, ((lambda t, q=q: copy_engine.seq_view(t, dim, world, q), g) for q, g in ring)
@@ -130,7 +130,7 @@ def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, grou
     ``dim`` into ``out``. ``produce(sel, part)`` fills ``part`` (contiguous) with the piece that
     ``sel`` cuts from a ``full``-shaped tensor; its reduce-scatter starts at once, under the next
     piece's production; ``wait_all()`` waits. Pieces as in ``_gather_in_pieces``."""
-    pg = _group(group_name)
+    pg = resolve_group(group_name)
     shape = list(full)
     shape[dim] //= world
     k = _chunks(shape[0], dim, chunks)

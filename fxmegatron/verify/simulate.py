@@ -1,0 +1,81 @@
+"""Every rank of a layout run in this process, one thread per rank.
+
+The ranks' collectives go through a ``SimulatedGroup`` (``fxmegatron.ops.groups``):
+each rank's graph is bound to the group name ``sim:<group>:<rank>``, and its f/g,
+gathers, scatters and the vocab-parallel loss exchange tensors with the other
+threads. Forward and backward are the real ops with their real autograd formulas,
+so what runs is the rank program itself, not a model of it. Each rank's forward
+runs through an ``fx.Interpreter`` that records every node's value for the
+comparison (``compare.py``).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, List, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.ops.groups import SimulatedGroup
+
+
+class Recorder(fx.Interpreter):
+    """Runs a GraphModule and keeps a detached copy of each node's value, by node name."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.values: Dict[str, object] = {}
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if n.op not in ("output", "get_attr"):
+            self.values[n.name] = _detached(out)
+        return out
+
+
+def _detached(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detached(v) for v in x)
+    return x
+
+
+def run_ranks(size: int, body: Callable[[int, str], object]) -> List[object]:
+    """``body(rank, group_name)`` on ``size`` threads sharing one simulated group; the results
+    by rank. An exception on any rank wakes the others and is raised here (the first one)."""
+    group = SimulatedGroup(size)
+    results: List[object] = [None] * size
+    errors: List[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                results[rank] = body(rank, group.name(rank))
+        except threading.BrokenBarrierError as exc:
+            if not errors:
+                errors.append(exc)
+        except BaseException as exc:   # noqa: B902 - reported on the caller's thread
+            errors.insert(0, exc)
+            group.abort()
+
+    threads = [threading.Thread(target=target, args=(r,), name=f"fxmegatron-sim-rank{r}", daemon=True)
+               for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def forward_backward(gm: fx.GraphModule, inputs: Sequence) -> Dict[str, object]:
+    """One rank's step: recorded forward, backward of the loss (the graph's first output);
+    returns {"loss", "values", "grads" (parameter name -> gradient of the local shard)}."""
+    rec = Recorder(gm)
+    out = rec.run(*inputs)
+    loss = out[0] if isinstance(out, (tuple, list)) else out
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in gm.named_parameters() if p.grad is not None}
+    return {"loss": loss.detach().clone(), "values": rec.values, "grads": grads}
