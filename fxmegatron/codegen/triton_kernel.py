@@ -27,6 +27,7 @@ import importlib.util
 import math
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -429,6 +430,28 @@ def kernels_in_compiled_graph(x: torch.Tensor) -> bool:
 
 
 _CACHE: Dict[str, object] = {}
+# The Triton interpreter keeps its state in the triton.language module, so two threads
+# interpreting kernels at once break each other (fxmegatron.verify runs ranks as threads):
+# interpreted launches take turns. Compiled kernels are launched freely.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+class _Serialised:
+    """An interpreted kernel whose launches hold ``_INTERPRETER_LOCK``."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            with _INTERPRETER_LOCK:
+                return launch(*args, **kwargs)
+        return run
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
 
 
 def compile_source(src: str, name: str):
@@ -451,6 +474,8 @@ def compile_source(src: str, name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     kernel = getattr(mod, name)
+    if interpret:
+        kernel = _Serialised(kernel)
     _CACHE[(key, interpret)] = kernel
     return kernel
 
