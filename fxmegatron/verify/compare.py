@@ -10,7 +10,8 @@ original graph computes at the node of the same name:
   consumers are compared instead.
 
 Nodes the rewrite added (collectives) have no original; nodes whose placement is
-unknown (a parameter's transpose before its use decides the split) are skipped.
+unknown (a parameter's transpose before its use decides the split) are skipped, and
+so are allocations (``empty_like`` and kin), whose values are whatever memory held.
 """
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ import torch.fx as fx
 
 from fxmegatron.capture import module_path
 from fxmegatron.placement import Partial, Replicate, Shard, join_shards
+
+
+aten = torch.ops.aten
+_UNINITIALISED = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -87,6 +92,8 @@ def first_divergence(ref_graph: fx.Graph, ref_values: Dict[str, object], rank_gr
     for ref_node in ref_graph.nodes:
         node = by_name.get(ref_node.name)
         if node is None or ref_node.name not in ref_values or "placement" not in node.meta:
+            continue
+        if getattr(node.target, "overloadpacket", None) in _UNINITIALISED:
             continue
         if any(ref_node.name not in v for v in rank_values):
             continue
