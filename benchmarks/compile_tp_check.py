@@ -32,6 +32,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 import fxmegatron  # noqa: E402
 import fxmegatron.api as api  # noqa: E402
 import fxmegatron.runtime.torch_compile as inductor  # noqa: E402
+from fxmegatron.runtime.distributed import init_from_env, make_mesh  # noqa: E402
 
 
 def _compile_with(backend):
@@ -58,16 +59,12 @@ def main():
     ap.add_argument("--show", type=int, default=6, help="worst parameters printed per variant")
     args = ap.parse_args()
 
-    dev_type = args.device
-    dist.init_process_group("nccl" if dev_type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if dev_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    env = init_from_env(args.device)
+    rank, world, dev = env.rank, env.world, env.device
+    if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(dev_type, (world,), mesh_dim_names=("tp",))
+    mesh = make_mesh(env, tp=world)
 
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                     n_embd=args.hidden)

@@ -97,603 +97,25 @@ copies: 39 tensors per microbatch instead of 1).
 from __future__ import annotations
 
 import argparse
-import datetime
-import faulthandler
 import functools
-import gc
-import json
-import math
 import os
 import platform
-import re
 import sys
-import tempfile
-import time
-import traceback
-import types
-from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # benchmarks/: the e2e package
 
-from gpt import GPT, GPTConfig  # noqa: E402
+import e2e  # noqa: E402,F401  (puts examples/ and the repository root on sys.path)
+from e2e.builders import count_params, make_batch, reference_losses  # noqa: E402
+from e2e.layouts import MODELS, check_layout, parse_layout  # noqa: E402
+from e2e.measure import matmul_tflops, merge_rounds, run_guarded  # noqa: E402
+from e2e.report import (CHECK_RTOL, check_rows, print_header, print_round, print_rounds,  # noqa: E402
+                        print_table, write_json)
+from gpt import GPTConfig  # noqa: E402
 
-import fxmegatron  # noqa: E402
-
-MODELS = {  # layers, hidden, heads, seq, vocab, global batch
-    "gpt1.3b": (24, 2048, 16, 2048, 50304, 8),
-    "gpt6.7b": (32, 4096, 32, 2048, 50304, 16),
-    "gpt13b": (40, 5120, 40, 2048, 50304, 32),
-    # tiny: 8 layers so that fx-pp4-v2 has a block per chunk; batch 16 so that pipeline microbatches hold
-    # 2 sequences: with 1, fxmegatron's gloo reduce-scatter returns a view of its input and fails
-    "tiny": (8, 64, 4, 64, 512, 16),
-}
-CHECK_RTOL = 1e-4
-STEP_MARK = "end_to_end_step"     # the profiler annotation around the profiled step
-
-
-def model_flops(b, s, l, h, v):
-    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
-
-
-# ---- layouts ------------------------------------------------------------------------------
-@dataclass
-class Layout:
-    name: str
-    kind: str                   # eager, compile, native, fx
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    v: int = 1
-    m: int = 1
-    schedule: Optional[str] = None
-    sp: bool = True
-    fuse: bool = False
-    compile: object = False     # False, True or a torch.compile mode
-    recompute: str = "none"
-    fadam: bool = False
-    fp32_accum: bool = False    # parallelize(grad_accum_dtype=torch.float32)
-    overlap: int = 0
-    transport: str = "auto"
-
-    @property
-    def world(self):
-        return self.dp * self.pp * self.tp
-
-
-def parse_layout(name: str, pp_microbatches: int) -> Layout:
-    """``eager``, ``compile``, ``native-tpN``, ``fx-...`` (see the module docstring), each
-    with an optional ``-mN``. Raises ValueError with the reason."""
-    head, *tokens = name.split("-")
-    if head not in ("eager", "compile", "native", "fx"):
-        raise ValueError(f"layout {name!r}: starts with {head!r}; expected eager, compile, native-tpN or fx[-...]")
-    lay = Layout(name, head)
-    m = None
-    for tok in tokens:
-        num = re.fullmatch(r"(tp|pp|dp|v|m|ov)(\d+)", tok)
-        if num and (head == "fx" or num.group(1) in ("tp", "m") and (head == "native" or num.group(1) == "m")):
-            key, val = num.group(1), int(num.group(2))
-            if val < 1:
-                raise ValueError(f"layout {name!r}: {tok} must be >= 1")
-            if key == "m":
-                m = val
-            elif key == "ov":
-                lay.overlap = val
-            else:
-                setattr(lay, key, val)
-        elif head == "fx" and tok in ("1f1b", "gpipe", "interleaved"):
-            lay.schedule = tok
-        elif head == "fx" and tok == "fuse":
-            lay.fuse = True
-        elif head == "fx" and tok == "compile":
-            lay.compile = lay.compile or True
-        elif head in ("fx", "compile") and tok in ("cgraphs", "autotune"):
-            lay.compile = {"cgraphs": "reduce-overhead", "autotune": "max-autotune-no-cudagraphs"}[tok]
-        elif head == "fx" and tok == "nosp":
-            lay.sp = False
-        elif head == "fx" and tok == "fadam":
-            lay.fadam = True
-        elif head == "fx" and tok == "acc32":
-            lay.fp32_accum = True
-        elif head == "fx" and tok in ("nccl", "ce"):
-            lay.transport = {"nccl": "nccl", "ce": "copy_engine"}[tok]
-        elif head == "fx" and tok in ("rsel", "rfull"):
-            lay.recompute = {"rsel": "selective", "rfull": "full"}[tok]
-        else:
-            raise ValueError(f"layout {name!r}: unknown part {tok!r} for a {head} layout")
-    if head == "native" and not any(t.startswith("tp") for t in tokens):
-        raise ValueError(f"layout {name!r}: native needs its tensor-parallel size, e.g. native-tp4")
-    lay.m = m if m is not None else (pp_microbatches if lay.pp > 1 else 1)
-    lay.sp = lay.sp and lay.tp > 1
-    return lay
-
-
-def check_layout(lay: Layout, world: int, cfg: GPTConfig, batch: int) -> Optional[str]:
-    """Why ``lay`` cannot run here, or None."""
-    if lay.kind in ("eager", "compile") and world != 1:
-        return (f"{lay.name} runs the whole model in one process; world size is {world}: run it in a separate "
-                f"one-process job (python benchmarks/end_to_end.py --layouts {lay.name})")
-    if lay.world != world:
-        return (f"{lay.name} needs dp·pp·tp = {lay.dp}·{lay.pp}·{lay.tp} = {lay.world} processes, but the world "
-                f"size is {world} (torchrun --nproc-per-node)")
-    if batch % (lay.dp * lay.m):
-        return f"{lay.name}: global batch {batch} is not divisible by dp·microbatches = {lay.dp}·{lay.m}"
-    if lay.kind == "native" and (cfg.n_head % lay.tp or cfg.vocab_size % lay.tp or cfg.block_size % lay.tp):
-        return f"{lay.name}: tp {lay.tp} must divide the heads ({cfg.n_head}), vocabulary and sequence length"
-    if lay.kind == "fx" and lay.pp * lay.v > cfg.n_layer:
-        return f"{lay.name}: pp·v = {lay.pp * lay.v} chunks but only {cfg.n_layer} layers"
-    return None
-
-
-# ---- bf16 parameters, fp32 master weights ----------------------------------------------------
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a DTensor gathered; a plain tensor itself)."""
-    from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's local data: a DTensor's shard on this rank, a plain tensor itself."""
-    from torch.distributed.tensor import DTensor
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-class MasterWeightAdamW:
-    """Megatron's mixed precision: the model keeps its (bf16) parameters; this keeps fp32
-    master copies and fp32 gradient buffers. ``step()`` copies the (already clipped)
-    gradients into the buffers, runs AdamW on the masters and copies them back into the
-    model's parameters. DTensor parameters are handled through their local shards."""
-
-    def __init__(self, params, lr: float, fused: bool):
-        self.params = [p for p in params if p.requires_grad]
-        with torch.no_grad():
-            self.model_data = [_local(p.detach()) for p in self.params]
-            self.masters = [t.to(torch.float32, copy=True) for t in self.model_data]
-            self.grads = [torch.zeros_like(m) for m in self.masters]
-        self.opt = torch.optim.AdamW(self.masters, lr=lr, fused=fused)
-
-    @staticmethod
-    def _grad(p):
-        from torch.distributed.tensor import DTensor
-        g = p.grad
-        if isinstance(g, DTensor):
-            if tuple(g.placements) != tuple(p.placements):   # e.g. a Partial gradient of a Replicate weight
-                g = g.redistribute(p.device_mesh, p.placements)
-            return g.to_local()
-        return g
-
-    @torch.no_grad()
-    def step(self):
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
-        if live:
-            torch._foreach_copy_([self.grads[i] for i in live], [self._grad(self.params[i]) for i in live])
-        have = set(live)
-        for i, m in enumerate(self.masters):
-            m.grad = self.grads[i] if i in have else None
-        self.opt.step()
-        torch._foreach_copy_(self.model_data, self.masters)
-        for p in self.params:
-            p.grad = None
-
-
-# ---- building each framework's model ---------------------------------------------------------
-@dataclass
-class Job:
-    """What the training loop needs from a layout."""
-    params: list
-    fwd_bwd: Callable[[], torch.Tensor]    # forward + backward of the global batch; returns the loss
-    clip: Callable[[], object]
-    keep: list                             # objects to free after the layout
-    norm: Optional[Callable[[], torch.Tensor]] = None   # the gradient norm without clipping (-fadam)
-
-
-def plain_model(cfg: GPTConfig, dev, dtype) -> GPT:
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = GPT(cfg)
-    return model.to(dtype)
-
-
-def accumulate(fn, ids, labels, m, context=None):
-    """forward + backward over m microbatches of (ids, labels); returns the mean loss."""
-    import contextlib
-    id_chunks, label_chunks = ids.chunk(m), labels.chunk(m)
-
-    def fwd_bwd():
-        total = None
-        with (context() if context else contextlib.nullcontext()):
-            for x, y in zip(id_chunks, label_chunks):
-                loss = fn(x, y)
-                (loss / m).backward()
-                val = _local(loss.detach()) / m
-                total = val if total is None else total + val
-        return total
-    return fwd_bwd
-
-
-def build_eager(lay, cfg, dev, dtype, ids, labels, **_):
-    model = plain_model(cfg, dev, dtype)
-    mode = lay.compile if isinstance(lay.compile, str) else None
-    fn = torch.compile(model, mode=mode) if lay.kind == "compile" else model
-    params = list(model.parameters())
-    return Job(params, accumulate(fn, ids, labels, lay.m),
-               lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), [model, fn])
-
-
-def _local_heads_forward(self, x):
-    """examples/gpt.py's SelfAttention.forward with ``view(B, T, -1, hd)``: after a
-    column-parallel q/k/v each rank holds n_head / tp heads. Same math otherwise."""
-    B, T, C = x.shape
-    hd = self.head_dim
-    q = self.q(x).view(B, T, -1, hd).transpose(1, 2)
-    k = self.k(x).view(B, T, -1, hd).transpose(1, 2)
-    v = self.v(x).view(B, T, -1, hd).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                       dropout_p=self.dropout if self.training else 0.0)
-    y = y.transpose(1, 2).reshape(B, T, -1)
-    return self.resid_drop(self.proj(y))
-
-
-def build_native(lay, cfg, dev, dtype, ids, labels, meshes, **_):
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, loss_parallel, parallelize_module)
-    mesh = meshes((lay.tp,), ("tp",))
-    model = plain_model(cfg, dev, dtype)
-    block_plan = {
-        "ln1": SequenceParallel(),
-        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-        "ln2": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.fc": ColwiseParallel(),
-        "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    for block in model.blocks:
-        block.attn.head_dim = cfg.n_embd // cfg.n_head
-        block.attn.forward = types.MethodType(_local_heads_forward, block.attn)
-        parallelize_module(block, mesh, block_plan)
-    parallelize_module(model, mesh, {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "ln_f": SequenceParallel(),
-        # loss parallel: logits stay sharded over the vocabulary, cross-entropy runs on the shards
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
-    # wpe: replicated weight; its (T, C) output is cut to this rank's sequence shard (no communication;
-    # the backward all-gathers the gradient), to add to wte's sequence-sharded output.
-    distribute_module(
-        model.wpe, mesh,
-        input_fn=lambda mod, inputs, m: tuple(DTensor.from_local(t, m, [Replicate()], run_check=False)
-                                              for t in inputs),
-        output_fn=lambda mod, out, m: out.redistribute(m, [Shard(0)]).to_local())
-    for i in range(len(model.blocks)):
-        model.blocks[i] = torch.compile(model.blocks[i])
-    params = list(model.parameters())
-    return Job(params, accumulate(model, ids, labels, lay.m, context=loss_parallel),
-               lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), [model])
-
-
-def build_fx(lay, cfg, dev, dtype, ids, labels, meshes, ref_state=None, **_):
-    mesh = meshes((lay.dp, lay.pp, lay.tp), ("dp", "pp", "tp"))
-    with torch.device("meta"):
-        model = GPT(cfg).to(dtype)
-    pm = fxmegatron.parallelize(model, mesh, (ids, labels), sequence_parallel=lay.sp, recompute=lay.recompute,
-                                microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
-                                compile=lay.compile, tp_comm_overlap=lay.overlap,
-                                tp_comm_transport=lay.transport, state_dict=ref_state,
-                                grad_accum_dtype=torch.float32 if lay.fp32_accum else None)
-    return Job(list(pm.parameters()), lambda: pm.train_step(ids, labels), lambda: pm.clip_grad_norm_(1.0), [pm],
-               norm=pm.grad_norm)
-
-
-BUILDERS = {"eager": build_eager, "compile": build_eager, "native": build_native, "fx": build_fx}
-
-
-# ---- profile breakdown: unions of kernel intervals -------------------------------------------
-def merge(intervals):
-    """The union of [start, end) intervals as sorted, disjoint intervals."""
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
-def length(intervals):
-    return sum(e - s for s, e in merge(intervals))
-
-
-def minus(a, b):
-    """The parts of the union of ``a`` that the union of ``b`` does not cover."""
-    a, b = merge(a), merge(b)
-    out, j = [], 0
-    for s, e in a:
-        while j < len(b) and b[j][1] <= s:
-            j += 1
-        cur, k = s, j
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                out.append([cur, b[k][0]])
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            out.append([cur, e])
-    return out
-
-
-def kernel_class(name: str) -> str:
-    """"collective", "p2p" or "compute" for a GPU kernel name."""
-    n = name.lower()
-    if "nccl" not in n:
-        return "compute"
-    if any(w in n for w in ("sendrecv", "send", "recv")):
-        return "p2p"
-    return "collective"     # AllReduce, AllGather, ReduceScatter, Broadcast, ...
-
-
-def breakdown(trace_events) -> Optional[Dict[str, float]]:
-    """Compute / exposed communication / bubble / idle, in ms, of the step marked STEP_MARK
-    in a chrome trace's events; None without GPU kernels (a CPU run)."""
-    marks = [e for e in trace_events if e.get("name") == STEP_MARK and e.get("ph") == "X"
-             and e.get("cat") == "user_annotation"]
-    if not marks:
-        return None
-    w0 = float(marks[0]["ts"])
-    w1 = w0 + float(marks[0]["dur"])
-    by_class = {"compute": [], "collective": [], "p2p": []}
-    for e in trace_events:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        s, t = max(float(e["ts"]), w0), min(float(e["ts"]) + float(e.get("dur", 0)), w1)
-        if t > s:
-            by_class[kernel_class(e.get("name", "")) if e["cat"] == "kernel" else "compute"].append((s, t))
-    every = by_class["compute"] + by_class["collective"] + by_class["p2p"]
-    if not every:
-        return None
-    ms = 1e-3    # trace times are in microseconds
-    return {"step_ms_profiled": (w1 - w0) * ms,
-            "compute_ms": length(by_class["compute"]) * ms,
-            "exposed_comm_ms": length(minus(by_class["collective"], by_class["compute"])) * ms,
-            "bubble_ms": length(minus(by_class["p2p"], by_class["compute"])) * ms,
-            "idle_ms": ((w1 - w0) - length(every)) * ms}
-
-
-# ---- running one layout -----------------------------------------------------------------------
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile=True):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t0 = time.perf_counter()
-    job = BUILDERS[lay.kind](lay, cfg, dev, dtype, ids, labels, meshes=meshes, ref_state=ref_state)
-    build_s = time.perf_counter() - t0
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    norms = []
-    if lay.fadam:
-        from fxmegatron.optim import FusedAdamW, clip_coefficient
-        opt = FusedAdamW(job.params, lr=args.lr)      # torch.optim.AdamW's defaults otherwise
-
-        def step():
-            loss = job.fwd_bwd()
-            norms.append(job.norm())
-            opt.step(clip_coefficient(norms[-1], 1.0))    # the clip inside the optimizer's pass
-            return loss.detach()
-    else:
-        opt = MasterWeightAdamW(job.params, lr=args.lr, fused=dev.type == "cuda")
-
-        def step():
-            loss = job.fwd_bwd()
-            norms.append(job.clip())   # the gradient norm before clipping
-            opt.step()
-            return loss.detach()
-
-    losses = []
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        losses.append(step())
-    _sync(dev)
-    warmup_s = time.perf_counter() - t0
-    times = []
-    for _ in range(args.steps):
-        _sync(dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses.append(step())
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(times, dtype=torch.float64, device=dev)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    times = sorted(slowest.tolist())
-    step_s = times[len(times) // 2]
-
-    prof = None
-    if profile and not args.no_profile:
-        prof = profiled_step(step, lay, args, dev, rank)
-
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0],
-                        dtype=torch.float64, device=dev)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    vals = [float(x) for x in losses]
-    first_norm = _full(norms[0]).item() if norms else None
-    row = {"layout": lay.name, **rates(step_s, args, cfg, world, peak_tflops),
-           "peak_gib": peak.item() if dev.type == "cuda" else None,
-           "loss_first": vals[0], "loss_last": vals[-1], "losses": vals, "grad_norm_first": first_norm,
-           "build_s": build_s, "warmup_s": warmup_s,
-           "step_ms_all": [t * 1e3 for t in times], "microbatches": lay.m, "layout_spec": asdict(lay)}
-    if prof:
-        row.update(prof)
-    del job, opt, step, losses, norms
-    return row
-
-
-def profiled_step(step, lay, args, dev, rank):
-    """One more step; rank 0 runs it under torch.profiler, writes the trace and returns the breakdown."""
-    if rank != 0:
-        _sync(dev)
-        dist.barrier()
-        step()
-        _sync(dev)
-        return None
-    from torch.profiler import ProfilerActivity, profile, record_function
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities) as p:
-        _sync(dev)
-        dist.barrier()
-        with record_function(STEP_MARK):
-            step()
-            _sync(dev)
-    if args.profile_dir:
-        os.makedirs(args.profile_dir, exist_ok=True)
-        path = os.path.join(args.profile_dir, f"{lay.name}.rank0.json")
-        p.export_chrome_trace(path)
-    else:
-        fd, path = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        p.export_chrome_trace(path)
-    try:
-        with open(path) as f:
-            trace = json.load(f)
-    finally:
-        if not args.profile_dir:
-            os.unlink(path)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    out = breakdown(events)
-    if args.profile_dir:
-        out = dict(out or {}, trace=path)
-    return out
-
-
-def run_guarded(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile=True):
-    """run_layout, with every rank learning whether any rank failed."""
-    rank = dist.get_rank()
-    row, err, tb = None, None, None
-    if args.hang_dump:     # a layout that hangs (in a collective, say) shows where, every rank
-        faulthandler.dump_traceback_later(args.hang_dump, exit=False)
-    try:
-        row = run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile)
-    except Exception as exc:    # noqa: BLE001 -- an OOM or a framework error becomes an "error" row
-        err = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
-        tb = traceback.format_exc()
-        del exc
-    finally:
-        if args.hang_dump:
-            faulthandler.cancel_dump_traceback_later()
-    failed = torch.tensor([0.0 if err is None else 1.0], device=dev)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        errs = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err)
-        first = next(i for i, e in enumerate(errs) if e is not None)
-        if rank == first:
-            print(f"[rank {rank}] layout {lay.name} failed:\n{tb}", file=sys.stderr, flush=True)
-        row = {"layout": lay.name, "error": f"rank {first}: {errs[first]}"}
-        forget_failure(meshes)
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    torch._dynamo.reset()
-    return row
-
-
-def forget_failure(meshes):
-    """After a failed layout: sends/receives of the broken step may still be pending in its
-    groups, so later layouts get new process groups. (Each pipeline runner reports failures
-    under its own store key, so the old failure is not seen again.)"""
-    dist.barrier()
-    meshes.cache_clear()
-
-
-# ---- set-up, reference, output ------------------------------------------------------------------
-def matmul_tflops(dev, n=8192, warmup=5, iters=20):
-    """Median bf16 n×n×n matmul throughput on this GPU, TFLOP/s."""
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    for _ in range(warmup):
-        a @ b
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n ** 3 / times[len(times) // 2] / 1e12
-
-
-def reference_losses(cfg, args, dev, dtype, ids, labels, steps=2):
-    """The plain model's first losses and first gradient norm (the --check reference) and its
-    initial weights (on CPU)."""
-    model = plain_model(cfg, dev, dtype)
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    opt = MasterWeightAdamW(model.parameters(), lr=args.lr, fused=dev.type == "cuda")
-    losses, norms = [], []
-    for _ in range(steps):
-        loss = model(ids, labels)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        opt.step()
-        losses.append(loss.item())
-    del model, opt
-    gc.collect()
-    return losses, norms[0], state
-
-
-def make_batch(cfg, batch, dev, seed=0):
-    """The synthetic batch: random tokens, labels = the next token."""
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
-    return seq[:, :-1].contiguous().to(dev), seq[:, 1:].contiguous().to(dev)
-
-
-def _fmt(x, spec, width):
-    return f"{'-':>{width}}" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:{width}{spec}}"
-
-
-def print_table(rows):
-    head = (f"{'layout':18} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>8} "
-            f"{'loss first->last':>17} {'compute ms':>10} {'exp.comm ms':>11} {'bubble ms':>9} {'idle ms':>8}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['layout']:18} error: {r['error']}")
-            continue
-        step = r["step_ms"]
-
-        def part(key, width):
-            v = r.get(key)
-            if v is None:
-                return f"{'-':>{width}}"
-            ref = r.get("step_ms_profiled", step)
-            return f"{v:{width - 5}.1f}({100 * v / ref:2.0f}%)" if ref else f"{v:{width}.1f}"
-        mfu = r.get("mfu")
-        mfu = f"{'-':>6}" if mfu is None else f"{100 * mfu:5.1f}%"
-        print(f"{r['layout']:18} {step:9.1f} {r['tokens_per_s']:10.0f} {r['tflops_per_gpu']:11.2f} "
-              f"{mfu} {_fmt(r['peak_gib'], '.2f', 8)} "
-              f"{r['loss_first']:8.4f}->{r['loss_last']:<7.4f} "
-              f"{part('compute_ms', 10)} {part('exposed_comm_ms', 11)} {part('bubble_ms', 9)} {part('idle_ms', 8)}")
-    if any("compute_ms" in r for r in rows):
-        print("(breakdown: one profiled step on rank 0; % of that step's wall time, printed as step_ms_profiled "
-              "in --json)")
+from fxmegatron.runtime.distributed import init_from_env, make_mesh, read_env  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -739,15 +161,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" not in os.environ:        # plain `python end_to_end.py`: a one-process group
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29541")
+    env = read_env(one_process_port=29541)     # plain `python end_to_end.py`: a one-process group
+    if not env.launched:
         launcher = "python"
     else:
         launcher = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])}"
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    lead = rank == 0
+    world, lead = env.world, env.lead
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                     n_embd=args.hidden, dropout=0.0, tie_embeddings=False, bias=True)
 
@@ -778,15 +197,8 @@ def main(argv=None):
             return 2
         return 0
 
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    rc = bench(args, cfg, layouts, dev, launcher, lead, world)
+    env = init_from_env(args.device, env=env)
+    rc = bench(args, cfg, layouts, env, launcher)
     if rc:
         # A failed layout can leave sends/receives pending (a broken pipeline step); tearing the
         # process group down then may abort the process. Leave with the exit code instead.
@@ -797,13 +209,13 @@ def main(argv=None):
     return rc
 
 
-def bench(args, cfg, layouts, dev, launcher, lead, world):
-    from torch.distributed.device_mesh import init_device_mesh
+def bench(args, cfg, layouts, env, launcher):
+    dev, lead, world = env.device, env.lead, env.world
     dtype = getattr(torch, args.dtype)
 
     @functools.lru_cache(maxsize=None)
-    def meshes(shape, names):   # one mesh (and its process groups) per shape, shared by the layouts
-        return init_device_mesh(dev.type, shape, mesh_dim_names=names)
+    def meshes(**sizes):   # one mesh (and its process groups) per shape, shared by the layouts
+        return make_mesh(env, **sizes)
 
     peak_tflops = args.peak_tflops
     if peak_tflops is None and dev.type == "cuda":
@@ -812,24 +224,14 @@ def bench(args, cfg, layouts, dev, launcher, lead, world):
         peak_tflops = t.item()
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu")
     ids, labels = make_batch(cfg, args.global_batch, dev)
-    n_params = _count_params(cfg)
+    command = f"{launcher} {' '.join(sys.argv)}"
     if lead:
-        print(f"command: {launcher} {' '.join(sys.argv)}")
-        print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
-              f"device {dev_name}, world size {world} ({dist.get_backend()})")
-        print(f"GPT l={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} V={cfg.vocab_size} "
-              f"({n_params / 1e6:,.1f} M parameters, untied), global batch {args.global_batch}, {args.dtype} "
-              f"parameters + fp32 master weights, AdamW lr {args.lr:g}, clip 1.0; {args.warmup} warm-up + "
-              f"{args.steps} timed steps")
-        if peak_tflops:
-            print(f"bf16 8192^3 matmul: {peak_tflops:.1f} TFLOP/s per GPU"
-                  + (" (--peak-tflops)" if args.peak_tflops else " (measured, median of 20)"))
-        print(flush=True)
+        print_header(command, dev_name, world, dist.get_backend(), cfg, count_params(cfg), args, peak_tflops)
 
     ref_losses, ref_norm, ref_state = None, None, None
     if args.check:
         ref_losses, ref_norm, ref_state = reference_losses(cfg, args, dev, dtype, ids, labels,
-                                                 steps=min(2, args.warmup + args.steps))
+                                                           steps=min(2, args.warmup + args.steps))
         if lead:
             print(f"check: plain model's first losses {[round(x, 6) for x in ref_losses]}, first gradient norm "
                   f"{ref_norm:.6g}", flush=True)
@@ -843,85 +245,24 @@ def bench(args, cfg, layouts, dev, launcher, lead, world):
                               ref_state if lay.kind == "fx" else None, peak_tflops, profile=r == args.rounds - 1)
             runs[lay.name].append(row)
             if lead:
-                tag = f"[round {r + 1}/{args.rounds}] " if args.rounds > 1 else ""
-                if "error" in row:
-                    print(f"{tag}{lay.name}: error: {row['error']}", flush=True)
-                else:
-                    print(f"{tag}{lay.name}: {row['step_ms']:.1f} ms/step, loss {row['loss_first']:.4f} -> "
-                          f"{row['loss_last']:.4f} (build {row['build_s']:.1f} s, warm-up {row['warmup_s']:.1f} s)",
-                          flush=True)
+                print_round(row, lay.name, r, args.rounds)
     rows = [merge_rounds(runs[lay.name], args, cfg, world, peak_tflops) for lay in layouts]
 
     failed_check = False
     if lead:
         print()
         print_table(rows)
-        for r in rows:
-            if "step_ms_rounds" in r:
-                print(f"  {r['layout']}: each round's median " + " / ".join(f"{t:.1f}" for t in r["step_ms_rounds"])
-                      + " ms")
+        print_rounds(rows)
     if args.check:
-        if lead:
-            print(f"\ncheck against the plain model (losses of the first {len(ref_losses)} steps, gradient norm of the "
-                  f"first; tolerance {CHECK_RTOL} relative):")
-        for r in rows:
-            if "error" in r:
-                failed_check = True
-                if lead:
-                    print(f"  {r['layout']:18} FAILED: {r['error']}")
-                continue
-            diffs = [abs(a - b) for a, b in zip(r["losses"], ref_losses)]
-            rel = max(d / abs(b) for d, b in zip(diffs, ref_losses))
-            norm_rel = abs(r["grad_norm_first"] - ref_norm) / abs(ref_norm)
-            ok = rel <= CHECK_RTOL and norm_rel <= CHECK_RTOL
-            r["check"] = {"max_abs_diff": max(diffs), "max_rel_diff": rel, "grad_norm_rel_diff": norm_rel, "ok": ok}
-            failed_check |= not ok
-            if lead:
-                print(f"  {r['layout']:18} losses {[round(x, 6) for x in r['losses'][:len(ref_losses)]]} "
-                      f"max |diff| {max(diffs):.2e} (rel {rel:.2e}); gradient norm {r['grad_norm_first']:.6g} "
-                      f"(rel {norm_rel:.2e}) {'ok' if ok else 'FAILED'}")
-        if lead:
-            print("check: " + ("FAILED" if failed_check else "passed"), flush=True)
+        failed_check = check_rows(rows, ref_losses, ref_norm, lead)
     if lead and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": f"{launcher} {' '.join(sys.argv)}", "torch": torch.__version__, "device": dev_name,
-                       "world_size": world, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "args": vars(args), "matmul_tflops": peak_tflops, "reference_losses": ref_losses,
-                       "reference_grad_norm": ref_norm,
-                       "rows": rows}, f, indent=1)
+        write_json(args.json, command, dev_name, world, args, peak_tflops, ref_losses, ref_norm, rows)
     if lead:
         sys.stdout.flush()
     dist.barrier()      # no rank leaves (torchrun would end the others) before rank 0 has printed
     if failed_check:
         return 1
     return 1 if any("error" in r for r in rows) else 0
-
-
-def rates(step_s, args, cfg, world, peak_tflops):
-    """A row's step time and what follows from it: tokens/s, model TFLOP/s per GPU, MFU."""
-    tflops = model_flops(args.global_batch, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.vocab_size) \
-        / step_s / world / 1e12
-    return {"step_ms": step_s * 1e3, "tokens_per_s": args.global_batch * cfg.block_size / step_s,
-            "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops if peak_tflops else None}
-
-
-def merge_rounds(rows, args, cfg, world, peak_tflops):
-    """One row from a layout's rounds: the median over all their timed steps, the last round's
-    profile, losses and memory; each round's own median in ``step_ms_rounds``."""
-    if len(rows) == 1 or any("error" in r for r in rows):
-        return next((r for r in rows if "error" in r), rows[-1])
-    row = dict(rows[-1])
-    steps = sorted(t for r in rows for t in r["step_ms_all"])
-    row["step_ms_all"] = steps
-    row["step_ms_rounds"] = [r["step_ms"] for r in rows]
-    row.update(rates(steps[len(steps) // 2] / 1e3, args, cfg, world, peak_tflops))
-    row["peak_gib"] = max((r["peak_gib"] for r in rows if r["peak_gib"] is not None), default=None)
-    return row
-
-
-def _count_params(cfg: GPTConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(cfg).parameters())
 
 
 if __name__ == "__main__":

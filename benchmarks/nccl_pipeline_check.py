@@ -19,19 +19,16 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import fxmegatron  # noqa: E402
+from fxmegatron.runtime.distributed import init_from_env, make_mesh  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl")
-    world = dist.get_world_size()
-    pp = world // args.tp
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cuda", (pp, args.tp), mesh_dim_names=("pp", "tp"))
+    env = init_from_env("cuda")
+    pp = env.world // args.tp
+    mesh = make_mesh(env, pp=pp, tp=args.tp)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=8, n_head=8, n_embd=256)
     base = GPT(cfg).cuda()

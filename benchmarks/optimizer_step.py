@@ -139,7 +139,7 @@ def main():
         print("optimizer_step.py needs CUDA: no GPU here, nothing timed.")
         return 0
 
-    from end_to_end import MasterWeightAdamW
+    from e2e.master_weights import MasterWeightAdamW
 
     from fxmegatron.optim import FusedAdamW
 

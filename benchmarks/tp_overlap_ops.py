@@ -183,9 +183,9 @@ def main():
     if not torch.cuda.is_available():
         print("tp_overlap_ops.py needs CUDA GPUs: none here, nothing timed.")
         return 0
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    from fxmegatron.runtime.distributed import init_from_env
+    env = init_from_env("cuda")
+    rank, world = env.rank, env.world
     pg = dist.group.WORLD
     group_name = pg.group_name
     bw = copy_bandwidths(group_name, pg, rank, world, args)

@@ -16,12 +16,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import fxmegatron  # noqa: E402
+from fxmegatron.runtime.distributed import init_from_env, make_mesh  # noqa: E402
 
 
 def main():
@@ -36,15 +36,15 @@ def main():
     ap.add_argument("--virtual-stages", type=int, default=1)
     ap.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"])
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    env = init_from_env("cpu")      # gloo
+    rank, world = env.rank, env.world
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=args.layers, n_head=8, n_embd=128)
     model = GPT(cfg)
     reference = copy.deepcopy(model)
     if world % args.pp:
         raise SystemExit(f"--pp {args.pp} does not divide the {world} processes")
-    mesh = init_device_mesh("cpu", (args.pp, world // args.pp), mesh_dim_names=("pp", "tp"))
+    mesh = make_mesh(env, pp=args.pp, tp=world // args.pp)
     tokens = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=torch.Generator().manual_seed(1))
     batch = (tokens[:, :-1], tokens[:, 1:])
     pm = fxmegatron.parallelize(model, mesh, batch, sequence_parallel=args.sequence_parallel,

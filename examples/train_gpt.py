@@ -10,7 +10,7 @@ Byte-level language model (vocabulary 256) on ``--data`` (default: examples/data
 The last 10% of the file is held out for validation. Every rank draws the same global
 batch of random windows (a generator seeded by --seed and the step) and hands all of it
 to ``train_step``: fxmegatron splits it over dp and into microbatches itself.
-gloo on CPU, nccl when CUDA is available (--device auto).
+gloo on CPU, nccl when there is a GPU for each process on the host (--device auto).
 
 Rank 0 shows progress and writes OUT/loss.csv (step, loss, tokens_per_s, elapsed_s,
 val_loss) and OUT/loss.png. The exit code is 0 when the loss fell (mean of the last 10%
@@ -27,13 +27,13 @@ T_START = time.perf_counter()   # before importing torch: the wall time in the s
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import fxmegatron  # noqa: E402
+from fxmegatron.runtime.distributed import init_from_env, make_mesh, read_env  # noqa: E402
 
 DEFAULT_DATA = os.path.join(HERE, "data", "tiny.txt")
 MIN_DROP = 0.05     # the run passes when the loss fell by at least 5% (last 10% of steps vs first 10%)
@@ -216,11 +216,8 @@ def write_plot(path, rows, title):
 # ---- main ---------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" not in os.environ:        # plain `python train_gpt.py`: one process
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    env = read_env(one_process_port=29517)     # plain `python train_gpt.py`: one process
+    rank, world = env.rank, env.world
     err = check_layout(args, world)
     if err:
         # Only rank 0 fails: torchrun ends the others as soon as one rank fails, which could
@@ -230,24 +227,16 @@ def main(argv=None):
             return 2
         return 0
 
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend)
+    env = init_from_env(args.device, env=env)
     try:
-        return train(args, rank, world, device, T_START)
+        return train(args, env, T_START)
     finally:
         dist.destroy_process_group()
 
 
-def train(args, rank, world, device, t_start):
-    lead = rank == 0
-    mesh = init_device_mesh(device.type, (args.dp, args.pp, args.tp), mesh_dim_names=("dp", "pp", "tp"))
+def train(args, env, t_start):
+    lead, world, device = env.lead, env.world, env.device
+    mesh = make_mesh(env, dp=args.dp, pp=args.pp, tp=args.tp)
     data = ByteData(args.data, args.seq, args.batch, args.seed, device)
 
     torch.manual_seed(args.seed)    # the same initial weights on every rank

@@ -46,23 +46,18 @@ def main(argv=None):
                     help="auto: cuda (nccl) when there is one GPU per local process, else cpu (gloo)")
     args = ap.parse_args(argv)
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     from fxmegatron.io.stage_folder import MANIFEST, load_folder
+    from fxmegatron.runtime.distributed import init_from_env, make_mesh
 
     with open(os.path.join(args.folder, MANIFEST)) as f:
         man = json.load(f)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= local_world)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    world = dist.get_world_size()
+    env = init_from_env(args.device)
+    world = env.world
     pp, tp = man["layout"]["pp"], man["layout"]["tp"]
     dp = args.dp or world // (pp * tp)
     if dp * pp * tp != world:
         raise SystemExit(f"dp={dp} x pp={pp} x tp={tp} (compiled) != {world} processes")
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = make_mesh(env, dp=dp, pp=pp, tp=tp)
     pm = load_folder(args.folder, mesh)
     spec = pytree.treespec_loads(man["in_spec"])
     rows, seq = man["batch"][0]["shape"][0] * man["microbatches"] * dp, man["batch"][0]["shape"][1]
@@ -71,7 +66,7 @@ def main(argv=None):
         with open(args.data, "rb") as f:
             data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
-    rank0 = dist.get_rank() == 0
+    rank0 = env.lead
     if rank0:
         print(f"fxmegatron.launch: {args.folder} at dp={dp} pp={pp} tp={tp}, {man['schedule']} "
               f"m={man['microbatches']} v={man['virtual_stages']}, batch {rows}x{seq}", flush=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.nn as nn

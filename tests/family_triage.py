@@ -52,7 +52,7 @@ def _rel_err(a, b, scale):
     return ((a - b).abs().max() / max(b.abs().max().item(), scale, 1e-30)).item()
 
 
-def train_compare(pm, ref, fam, world=1) -> dict:
+def train_compare(pm, ref, fam) -> dict:
     """3 SGD steps of ``pm`` and ``ref`` on the same batches: the worst loss and gradient errors
     (which step, which parameter). Raises on the first exception, tagged with its step."""
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -83,7 +83,7 @@ def train_compare(pm, ref, fam, world=1) -> dict:
     return out
 
 
-def _attempt(fam, mesh, example, world=1, **kw) -> dict:
+def _attempt(fam, mesh, example, **kw) -> dict:
     import fxmegatron
     model = fam.build()
     ref = copy.deepcopy(model)
@@ -93,7 +93,7 @@ def _attempt(fam, mesh, example, world=1, **kw) -> dict:
         return {"error": f"parallelize: {_first_line(exc)}"}
     frac = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in ref.parameters())
     try:
-        res = train_compare(pm, ref, fam, world)
+        res = train_compare(pm, ref, fam)
     except Exception as exc:
         return {"error": str(exc), "split": frac}
     res["split"] = frac
@@ -112,7 +112,7 @@ def tp_worker(rank, world, name, sps=(False, True)):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     fam = FAMILIES[name]
-    return {f"tp{world}{'+sp' if sp else ''}": _attempt(fam, mesh, make_batch(fam, EXAMPLE_SEED), world,
+    return {f"tp{world}{'+sp' if sp else ''}": _attempt(fam, mesh, make_batch(fam, EXAMPLE_SEED),
                                                           sequence_parallel=sp)
             for sp in sps}
 

@@ -48,7 +48,8 @@ def _target(n):
 
 
 def placement_table(gm: fx.GraphModule) -> str:
-    rows = [("node", "op", "placement", "local shape", "module", "note")]
+    """One row per node: its placement and the tensor-parallel rule that placed it."""
+    rows = [("node", "op", "placement", "rule", "local shape", "module", "note")]
     for n in gm.graph.nodes:
         if n.op in ("output",):
             continue
@@ -56,9 +57,10 @@ def placement_table(gm: fx.GraphModule) -> str:
         if n.meta.get("recompute"):
             note = (note + " " if note else "") + f"[recompute: {n.meta['recompute']}]"
         rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(n.meta.get("placement")),
-                     _shape(n.meta.get("val")), module_path(n), note))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5] for r in rows) + "\n"
+                     n.meta.get("tp_rule", ""), _shape(n.meta.get("val")), module_path(n), note))
+    k = len(rows[0]) - 1
+    widths = [max(len(r[i]) for r in rows) for i in range(k)]
+    return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(k)) + "  " + r[k] for r in rows) + "\n"
 
 
 def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None:
@@ -81,7 +83,9 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
                         "# that recomputes the chain from the group's inputs\n")
                 f.write(mod.source())
     with open(os.path.join(directory, "placements.txt"), "w") as f:
-        f.write("# R = replicated, S(d) = split along dim d, P(sum) = partial sums (reduced by g)\n")
+        f.write("# R = replicated, S(d) = split along dim d, P(sum) = partial sums (reduced by g);\n"
+                "# rule: the tensor-parallel placement rule that placed the node (fxmegatron/passes/\n"
+                "# tensor_parallel/rules/<file>.<rule>; opaque: replicated, with why)\n")
         f.write(placement_table(gm))
     with open(os.path.join(directory, "collectives.txt"), "w") as f:
         for n, kind in collective_nodes(gm):

@@ -4,18 +4,25 @@ Both take the rank's slice of the vocabulary ``[vocab_start, vocab_start + V/t)`
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn.functional as F
 from torch import Tensor
 
 from fxmegatron.ops.collectives import all_reduce_max, reduce_from_tp
 
 
-def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int) -> Tensor:
+def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int,
+                             padding_idx: Optional[int] = None) -> Tensor:
     """Look up the ids this rank owns; zeros elsewhere. The result is a partial
-    sum over ranks: the graph reduces it with ``reduce_from_tp`` (g)."""
+    sum over ranks: the graph reduces it with ``reduce_from_tp`` (g).
+
+    ``padding_idx``: ATen's, as an index into this rank's slice, on the rank that holds
+    the padding row (None on the others): the forward is unchanged and that row's
+    gradient stays zero."""
     local = ids - vocab_start
     outside = (local < 0) | (local >= weight.shape[0])
-    out = F.embedding(local.masked_fill(outside, 0), weight)
+    out = F.embedding(local.masked_fill(outside, 0), weight, padding_idx=padding_idx)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

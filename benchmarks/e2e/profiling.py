@@ -1,0 +1,128 @@
+"""One more step under torch.profiler on rank 0, and its breakdown from the GPU kernels:
+compute (the union of non-NCCL kernels), exposed communication (an NCCL collective and no
+compute), bubble (NCCL send/recv and no compute) and idle (no kernel)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+STEP_MARK = "end_to_end_step"     # the profiler annotation around the profiled step
+
+
+def sync(dev):
+    """Wait for the GPU (nothing on CPU)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- unions of kernel intervals ----------------------------------------------------------------
+def merge(intervals):
+    """The union of [start, end) intervals as sorted, disjoint intervals."""
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def length(intervals):
+    return sum(e - s for s, e in merge(intervals))
+
+
+def minus(a, b):
+    """The parts of the union of ``a`` that the union of ``b`` does not cover."""
+    a, b = merge(a), merge(b)
+    out, j = [], 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        cur, k = s, j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out.append([cur, b[k][0]])
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            out.append([cur, e])
+    return out
+
+
+def kernel_class(name: str) -> str:
+    """"collective", "p2p" or "compute" for a GPU kernel name."""
+    n = name.lower()
+    if "nccl" not in n:
+        return "compute"
+    if any(w in n for w in ("sendrecv", "send", "recv")):
+        return "p2p"
+    return "collective"     # AllReduce, AllGather, ReduceScatter, Broadcast, ...
+
+
+def breakdown(trace_events) -> Optional[Dict[str, float]]:
+    """Compute / exposed communication / bubble / idle, in ms, of the step marked STEP_MARK
+    in a chrome trace's events; None without GPU kernels (a CPU run)."""
+    marks = [e for e in trace_events if e.get("name") == STEP_MARK and e.get("ph") == "X"
+             and e.get("cat") == "user_annotation"]
+    if not marks:
+        return None
+    w0 = float(marks[0]["ts"])
+    w1 = w0 + float(marks[0]["dur"])
+    by_class = {"compute": [], "collective": [], "p2p": []}
+    for e in trace_events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        s, t = max(float(e["ts"]), w0), min(float(e["ts"]) + float(e.get("dur", 0)), w1)
+        if t > s:
+            by_class[kernel_class(e.get("name", "")) if e["cat"] == "kernel" else "compute"].append((s, t))
+    every = by_class["compute"] + by_class["collective"] + by_class["p2p"]
+    if not every:
+        return None
+    ms = 1e-3    # trace times are in microseconds
+    return {"step_ms_profiled": (w1 - w0) * ms,
+            "compute_ms": length(by_class["compute"]) * ms,
+            "exposed_comm_ms": length(minus(by_class["collective"], by_class["compute"])) * ms,
+            "bubble_ms": length(minus(by_class["p2p"], by_class["compute"])) * ms,
+            "idle_ms": ((w1 - w0) - length(every)) * ms}
+
+
+def profiled_step(step, lay, args, dev, rank):
+    """One more step; rank 0 runs it under torch.profiler, writes the trace and returns the breakdown."""
+    if rank != 0:
+        sync(dev)
+        dist.barrier()
+        step()
+        sync(dev)
+        return None
+    from torch.profiler import ProfilerActivity, profile, record_function
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as p:
+        sync(dev)
+        dist.barrier()
+        with record_function(STEP_MARK):
+            step()
+            sync(dev)
+    if args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)
+        path = os.path.join(args.profile_dir, f"{lay.name}.rank0.json")
+        p.export_chrome_trace(path)
+    else:
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        p.export_chrome_trace(path)
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        if not args.profile_dir:
+            os.unlink(path)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    out = breakdown(events)
+    if args.profile_dir:
+        out = dict(out or {}, trace=path)
+    return out

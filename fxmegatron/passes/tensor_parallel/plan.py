@@ -1,0 +1,46 @@
+"""What planning produces (``TPPlan``, one ``Decision`` per matmul, embedding and loss),
+and the signal a rule raises when it learnt a constraint (``Restart``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Set, Tuple
+
+import torch.fx as fx
+
+from fxmegatron.placement import Placement
+
+
+class Restart(Exception):
+    """Propagation learnt a constraint (demotion, forced replica, blocks); start over."""
+
+
+@dataclass
+class Decision:
+    kind: str          # column | row | replicated | vocab
+    reason: str = ""
+
+
+@dataclass
+class TPPlan:
+    tp: int
+    node_plc: Dict[fx.Node, object] = field(default_factory=dict)
+    decisions: Dict[fx.Node, Decision] = field(default_factory=dict)
+    rules: Dict[fx.Node, str] = field(default_factory=dict)        # which rule placed each node
+    param_plc: Dict[str, Placement] = field(default_factory=dict)
+    replicated_params: Dict[str, str] = field(default_factory=dict)
+    g_edges: Dict[fx.Node, Set[fx.Node]] = field(default_factory=dict)
+    f_edges: Dict[fx.Node, Set[fx.Node]] = field(default_factory=dict)
+    slice_edges: Dict[Tuple[fx.Node, int], Set[fx.Node]] = field(default_factory=dict)
+    arg_rewrites: Dict[fx.Node, tuple] = field(default_factory=dict)
+    scatter_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)
+    gather_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)       # into column matmuls
+    gather_full_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)  # anywhere else
+    split_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)
+    # a replicated key/value each rank slices to the kv heads its query heads use:
+    # src -> (dim, (start, length) per rank, f before the slice, consumers)
+    head_slices: Dict[fx.Node, Tuple[int, Tuple[Tuple[int, int], ...], bool, Set[fx.Node]]] = \
+        field(default_factory=dict)
+    bias_after: Dict[fx.Node, fx.Node] = field(default_factory=dict)
+    row_bias: Set[fx.Node] = field(default_factory=set)
+    sequence_parallel: bool = False
+    attempts: int = 0

@@ -1,0 +1,153 @@
+"""Rewrite a graph for one rank from a ``TPPlan``.
+
+Megatron's f (``copy_to_tp``) where a replicated activation enters a split region, g
+(``reduce_from_tp``) where a partial sum must become whole, sequence parallelism's
+reduce-scatters and gathers, shape arguments of views/expands/splits divided by tp,
+vocab-parallel embedding and loss. The rewritten graph expects parameters to be the
+rank's local shards. Every node keeps its placement (``meta["placement"]``), the rule
+that placed it (``meta["tp_rule"]``) and, for matmuls, embeddings and losses, the
+decision (``meta["tp_decision"]``).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.ops.collectives import (all_gather_seq, copy_to_tp, gather_seq, local_shard, reduce_from_tp,
+                                        scatter_seq, split_seq)
+from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from fxmegatron.passes.tensor_parallel.nodes import arg, packet
+from fxmegatron.passes.tensor_parallel.plan import TPPlan
+from fxmegatron.placement import R, Shard
+
+aten = torch.ops.aten
+
+
+def _rewrite_args(g: fx.Graph, node: fx.Node, args: list, tp: int) -> None:
+    """Planned arguments; a symbolic size ("floordiv", n) becomes n // tp in the graph."""
+    if len(args) > 1 and isinstance(args[1], list):
+        sizes = []
+        for s in args[1]:
+            if isinstance(s, tuple) and s[0] == "floordiv":
+                with g.inserting_before(node):
+                    s = g.call_function(operator.floordiv, (s[1], tp))
+            sizes.append(s)
+        args[1] = sizes
+    node.args = tuple(args)
+
+
+def _rewrite_call(node: fx.Node, plan: TPPlan, rank: int, group_name: str) -> None:
+    """Row-parallel matmuls without their bias, vocab-parallel embedding and loss."""
+    tp = plan.tp
+    dec = plan.decisions[node]
+    pk = packet(node)
+    if dec.kind == "row" and node in plan.row_bias and tp > 1:
+        # the bias is added after the reduction (g or reduce-scatter): see bias_after
+        if pk is aten.linear:
+            node.args, node.kwargs = node.args[:2], {}
+        else:   # addmm(b, x, w) -> mm(x, w)
+            node.target, node.args, node.kwargs = aten.mm.default, (node.args[1], node.args[2]), {}
+    elif dec.kind == "vocab" and pk is aten.embedding:
+        w, ids = node.args[0], node.args[1]
+        vocab = node.args[0].meta["val"].shape[0] // tp
+        pad = arg(node, 2, "padding_idx", -1)     # ATen's: -1 for none
+        local_pad = pad - rank * vocab if 0 <= pad - rank * vocab < vocab and pad >= 0 else None
+        node.target, node.args, node.kwargs = vocab_parallel_embedding, (w, ids, rank * vocab, local_pad), {}
+    elif dec.kind == "vocab" and pk is aten.cross_entropy_loss:
+        logits, target = node.args[0], node.args[1]
+        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+        ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        vocab = logits.meta["val"].shape[1] // tp
+        node.target = vocab_parallel_cross_entropy
+        node.args, node.kwargs = (logits, target, rank * vocab, group_name, reduction, ignore), {}
+
+
+def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_name: str) -> fx.GraphModule:
+    """Rewrite ``gm`` in place for one rank from ``plan`` (parameters become local shards)."""
+    g = gm.graph
+    tp = plan.tp
+
+    def mark(n, plc):
+        n.meta["placement"] = plc
+        return n
+
+    for node in list(g.nodes):
+        if node in plan.rules:
+            node.meta["tp_rule"] = plan.rules[node]
+        if node in plan.arg_rewrites:
+            _rewrite_args(g, node, list(plan.arg_rewrites[node]), tp)
+        dec = plan.decisions.get(node)
+        if dec is None:
+            continue
+        node.meta["tp_decision"] = f"{dec.kind}" + (f": {dec.reason}" if dec.reason else "")
+        _rewrite_call(node, plan, rank, group_name)
+
+    def insert_after(src, fn, args, plc, rule="collective"):
+        """A node after ``src`` computing (a placement of) the same value."""
+        with g.inserting_after(src):
+            n = g.call_function(fn, args)
+        n.meta["nn_module_stack"] = src.meta.get("nn_module_stack")
+        n.meta["tp_rule"] = rule
+        if "val" in src.meta:   # values stay whole-tensor metadata, as everywhere before the local shapes
+            n.meta["val"] = src.meta["val"]
+        return mark(n, plc)
+
+    def rewire(src, new, users):
+        for u in users:
+            u.replace_input_with(src, new)
+
+    def with_bias(src, red, f_bias):
+        """A deferred row-parallel bias, added after the reduction."""
+        b = plan.bias_after.get(src) if tp > 1 else None    # at tp=1 the bias stays in the matmul
+        if b is None:
+            return red
+        if f_bias:   # on sequence shards each rank sees part of the bias's gradient
+            b = insert_after(b, copy_to_tp, (b, group_name), R)
+        with g.inserting_after(red):
+            out = g.call_function(aten.add.Tensor, (red, b))
+        out.meta["nn_module_stack"] = red.meta.get("nn_module_stack")
+        out.meta["tp_rule"] = "matmul.row (bias after the reduction)"
+        if "val" in red.meta:
+            out.meta["val"] = red.meta["val"]
+        return mark(out, red.meta["placement"])
+
+    reduced = {}
+    for src, users in plan.g_edges.items():
+        red = reduced[src] = with_bias(src, insert_after(src, reduce_from_tp, (src, group_name), R), False)
+        rewire(src, red, users)
+    for src, (dim, users) in plan.scatter_edges.items():
+        sc = with_bias(src, insert_after(src, scatter_seq, (src, dim, tp, group_name), Shard(dim)), True)
+        rewire(src, sc, users)
+    for src, (dim, users) in plan.gather_edges.items():
+        if users:
+            rewire(src, insert_after(src, gather_seq, (src, dim, tp, group_name), R), users)
+    for src, (dim, users) in plan.gather_full_edges.items():
+        rewire(src, insert_after(src, all_gather_seq, (src, dim, rank, tp, group_name), R), users)
+    for src, (dim, users) in plan.split_edges.items():
+        rewire(src, insert_after(src, split_seq, (src, dim, rank, tp, group_name), Shard(dim)), users)
+    for src, users in plan.f_edges.items():
+        src2 = reduced.get(src, src)
+        rewire(src2, insert_after(src2, copy_to_tp, (src2, group_name), R), users)
+    for (src, dim), users in plan.slice_edges.items():
+        rewire(src, insert_after(src, local_shard, (src, dim, rank, tp), Shard(dim)), users)
+    for src, (dim, spans, f_here, users) in plan.head_slices.items():
+        # the kv heads this rank's query heads use, out of a key/value every rank computes whole
+        x = insert_after(src, copy_to_tp, (src, group_name), R) if f_here else src
+        start, length = spans[rank]
+        if (start, length) != (0, src.meta["val"].shape[dim]):
+            regular = all(s == r * length for r, (s, _) in enumerate(spans)) and length * tp == src.meta["val"].shape[dim]
+            x = insert_after(x, aten.slice.Tensor, (x, dim, start, start + length), Shard(dim) if regular else None,
+                             f"attention.kv_heads: heads [{start}, {start + length}) of {src.name}, "
+                             "the ones this rank's query heads use")
+        rewire(src, x, users)
+    for node, plc in plan.node_plc.items():
+        if node.graph is g and "placement" not in node.meta:
+            node.meta["placement"] = plc
+    for node in g.nodes:
+        if node.op == "get_attr" and node.target in plan.param_plc:
+            node.meta["placement"] = plan.param_plc[node.target]
+    g.lint()
+    gm.recompile()
+    return gm

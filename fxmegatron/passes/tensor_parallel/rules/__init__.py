@@ -1,0 +1,32 @@
+"""Placement rules, one module per op family, registered against ATen ops in one table
+(as DTensor's ``torch/distributed/tensor/_ops``). ``rule_for(node)`` finds a call's rule:
+the op's registered rule, else the pointwise rule for an op tagged pointwise, else
+``opaque.no_rule`` (everything replicated, with the reason).
+
+Each rule is ``rule(state, node)``: it reads its inputs' placements (``state.get``),
+places the node (``state.set``) and, where its precondition fails, replicates with the
+reason recorded, demotes the split's origins (``state.demote``, which restarts
+propagation) or raises a ``ShardingError`` naming the node.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.passes.tensor_parallel.nodes import packet
+from fxmegatron.passes.tensor_parallel.rules import (attention, embedding, matmul, norms, opaque, pointwise,  # noqa: F401
+                                                     reductions, views)
+from fxmegatron.passes.tensor_parallel.rules.registry import RULES, register
+
+__all__ = ["RULES", "register", "rule_for"]
+
+
+def rule_for(node: fx.Node):
+    """The placement rule of a call_function node."""
+    pk = packet(node)
+    fn = RULES.get(pk)
+    if fn is not None:
+        return fn
+    if isinstance(pk, torch._ops.OpOverloadPacket) and torch.Tag.pointwise in node.target.tags:
+        return pointwise.pointwise
+    return opaque.no_rule

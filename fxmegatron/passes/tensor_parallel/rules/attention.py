@@ -1,0 +1,109 @@
+"""Attention (scaled_dot_product_attention), split by heads; with fewer kv heads than
+tp, Megatron's way: k/v computed whole on every rank, each rank using the kv heads its
+own query heads need."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val
+from fxmegatron.passes.tensor_parallel.rules.registry import register
+from fxmegatron.placement import Partial, R, Replicate, Shard
+
+aten = torch.ops.aten
+
+# ops that only repeat or re-view their input (HF's repeat_kv: unsqueeze, expand, reshape)
+_REPEAT = {aten.unsqueeze, aten.expand, aten.reshape, aten.view, aten._unsafe_view, aten.clone, aten.contiguous,
+           aten.alias, aten.repeat_interleave}
+
+
+def _by_heads(p) -> bool:
+    return isinstance(p, Shard) and norm(p.dim, 4) == 1 and p.blocks is None
+
+
+def kv_spans(n_q: int, n_kv: int, tp: int):
+    """(start, length) of the kv heads rank r's query heads use, for every rank, or None
+    when they do not fall evenly: rank r holds query heads [r*n_q/tp, (r+1)*n_q/tp), query
+    head h uses kv head h // (n_q/n_kv) (grouped-query attention)."""
+    if n_q % tp or n_q % n_kv:
+        return None
+    local, rep = n_q // tp, n_q // n_kv
+    if local % rep and rep % local:
+        return None
+    return tuple((r * local // rep, max(1, local // rep)) for r in range(tp))
+
+
+def _f_edge(state, a, node):
+    """Where f goes for the replicated key/value ``a`` that each rank slices: on the edge
+    into the repeat (unsqueeze/expand/reshape) that made ``a`` from a smaller tensor, when
+    nothing else uses the repeat (the backward all-reduce is then of the kv heads only);
+    None: right before the slice."""
+    if len(a.users) != 1 or packet(a) not in _REPEAT:
+        return None
+    top = a
+    while True:
+        src = top.args[0]
+        if not isinstance(src, fx.Node):
+            return None
+        if packet(src) in _REPEAT and len(src.users) == 1:
+            top = src
+            continue
+        return src, top
+
+
+@register(aten.scaled_dot_product_attention)
+def sdpa(state, node):
+    """Attention per head: precondition for a split, q split along the heads dim (1)
+    without fused blocks. Each of k, v is then either split the same way, or whole: whole
+    k/v (fewer kv heads than tp, HF's repeat_kv or ``enable_gqa``) are sliced on each rank
+    to the kv heads its query heads use, with f on their gradient (placed before the
+    repeat when there is one); precondition that those heads fall evenly (``kv_spans``).
+    A mask is whole along heads (broadcast), split the same way, or a per-head constant
+    (sliced locally). Otherwise: k/v split along another dim are demoted (and come back
+    whole); uneven kv heads, a mask split off the heads dim or a per-head mask with
+    gradients demote the splits' matmuls. All of q, k, v whole: replicated attention."""
+    q, k, v = node.args[:3]
+    mask = arg(node, 3, "attn_mask")
+    for a in (q, k, v):
+        if isinstance(state.get(a), Partial):
+            state.replicate(a, node)
+    ps = [state.get(a) for a in (q, k, v)]
+    origins = set().union(*(state.orig(a) for a in (q, k, v)))
+    if all(isinstance(p, Replicate) for p in ps):
+        if isinstance(mask, fx.Node):
+            state.replicate(mask, node)
+        return state.set(node, R)
+    if not _by_heads(ps[0]):
+        state.demote(origins, node, f"needs q split by heads (dim 1), got {[str(p) for p in ps]}")
+    for a, p in zip((k, v), ps[1:]):
+        if isinstance(p, Shard) and not _by_heads(p):
+            state.demote(state.orig(a), node, f"needs its key/value {a.name} split by heads (dim 1) or whole, "
+                                              f"got {p}")
+    for a, p in zip((k, v), ps[1:]):
+        if isinstance(p, Replicate) and a in state.plan.head_slices:
+            state.plan.head_slices[a][3].add(node)
+        elif isinstance(p, Replicate):
+            n_q, n_kv = val(q).shape[1], val(a).shape[1]
+            spans = kv_spans(n_q, n_kv, state.tp)
+            if spans is None:
+                state.demote(origins, node, f"has {n_q} query heads and {n_kv} kv heads: over tp={state.tp} "
+                                            "ranks the kv heads each rank's query heads use are uneven")
+            upstream = _f_edge(state, a, node) if a in state.needs_grad else None
+            if upstream is not None:
+                state.plan.f_edges.setdefault(upstream[0], set()).add(upstream[1])
+            state.plan.head_slices[a] = (1, spans, a in state.needs_grad and upstream is None, {node})
+    if isinstance(mask, fx.Node):
+        mp = state.get(mask)
+        mv = val(mask)
+        md = 1 - (4 - mv.ndim)
+        if isinstance(mp, Shard):
+            if norm(mp.dim, mv.ndim) != md:
+                state.demote(origins | state.orig(mask), node, "has a mask split off the heads dim")
+        elif md >= 0 and mv.shape[md] != 1:
+            if mask in state.needs_grad:
+                state.demote(origins, node, "has a per-head mask that needs gradients")
+            state.replicate(mask, node)
+            state.plan.slice_edges.setdefault((mask, md), set()).add(node)
+        else:
+            state.replicate(mask, node)
+    state.set(node, Shard(1), origins)

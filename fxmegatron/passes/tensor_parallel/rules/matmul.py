@@ -1,0 +1,183 @@
+"""Matmuls: column- and row-parallel linears (Megatron 2019), however spelled
+(``linear``, ``addmm``, ``mm``, ``matmul``, ``einsum``; the weight possibly transposed),
+and matmuls of activations."""
+from __future__ import annotations
+
+import torch
+
+from fxmegatron.passes.tensor_parallel.nodes import norm, packet, val, where
+from fxmegatron.passes.tensor_parallel.plan import Decision
+from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
+from fxmegatron.passes.tensor_parallel.rules.registry import register
+from fxmegatron.passes.tensor_parallel.sequence import SEQ, gather
+from fxmegatron.placement import Partial, R, Replicate, Shard
+
+aten = torch.ops.aten
+
+
+@register(aten.linear, aten.addmm, aten.mm, aten.matmul, aten.bmm)
+def matmul(state, node):
+    """``linear(x, W, b)``, ``addmm(b, x, W)``, ``mm(x, W)``, ``matmul(x, W)``: with a 2-D
+    parameter ``W`` (a transpose of it included: the dim map says which dim is which)
+    this is a linear (see ``linear``); otherwise a matmul of activations
+    (``activation_matmul``). addmm with alpha/beta runs replicated."""
+    pk = packet(node)
+    args = node.args
+    if pk is aten.linear:
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 else node.kwargs.get("bias")
+        w_out, w_in = 0, 1
+    elif pk is aten.addmm:
+        b, x, w = args[0], args[1], args[2]
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return replicate_all(state, node, "is an addmm with alpha/beta")
+        w_out, w_in = 1, 0
+    else:
+        x, w, b = args[0], args[1], None
+        w_out, w_in = 1, 0
+    if w not in state.free or val(w) is None or val(w).ndim != 2:
+        return activation_matmul(state, node, x, w)
+    linear(state, node, x, w, b, w_out, w_in, val(x).ndim - 1, val(node).ndim - 1)
+
+
+def linear(state, node, x, w, b, w_out, w_in, x_in, out_dim):
+    """``x`` times a 2-D parameter ``w`` whose dim ``w_in`` is contracted with dim ``x_in``
+    of ``x`` and whose dim ``w_out`` becomes dim ``out_dim`` of the output.
+
+    * row (``matmul.row``): ``x`` split along the contracted dim -> ``w`` split along
+      ``w_in``, output a partial sum; a bias is added after the reduction.
+    * column (``matmul.column``): ``x`` whole -> ``w`` (and bias) split along ``w_out``
+      (in the fused blocks a later split asked for), output split along ``out_dim``; f on
+      ``x``'s gradient. Precondition: tp divides the output features (and each block).
+    * replicated (``matmul.replicated``), with the reason in its decision: tp does not
+      divide the output features (or a block), the matmul was demoted, or ``w`` must
+      stay replicated.
+    ``x`` split along another dim demotes the matmuls it came from; a sequence shard is
+    gathered; a partial ``x`` is reduced (g).
+    """
+    if isinstance(state.get(x), Partial):
+        state.replicate(x, node)
+    if isinstance(state.get(x), Shard) and SEQ in state.orig(x):
+        gather(state, x, node, into_column=True)
+    px = state.get(x)
+    gathered_here = node in state.plan.gather_edges.get(x, (0, ()))[1]
+    pname = state.free[w][0]
+    at = f"{where(node)} (weight {pname})"
+    if isinstance(px, Shard) and norm(px.dim, val(x).ndim) == x_in:
+        if pname in state.forced_rep:
+            state.demote(state.orig(x), node, f"is replicated: {state.forced_rep[pname]}")
+        state.claim(w, Shard(w_in, px.blocks), at)
+        if b is not None:   # added after the reduction: see pending_bias
+            state.claim(b, R, at)
+            state.plan.row_bias.add(node)
+            state.pending_bias[node] = b
+        state.plan.decisions[node] = Decision("row")
+        return state.set(node, Partial(), rule="matmul.row")
+    if isinstance(px, Shard):
+        state.demote(state.orig(x), node, f"contracts dim {x_in}, not the split dim {px.dim}")
+    reason = state.demoted.get(node) or state.forced_rep.get(pname)
+    blocks = state.blocks_req.get(node)
+    if reason is None:
+        n_out = val(w).shape[w_out]
+        for size in (blocks or (n_out,)):
+            if size % state.tp:
+                reason = (f"tp={state.tp} does not divide the {size} output features of {at}"
+                          f"{' (one of its fused blocks ' + str(list(blocks)) + ')' if blocks else ''}: "
+                          "a column-parallel matmul splits its output features evenly over tp ranks")
+                break
+    if reason is None:
+        state.claim(w, Shard(w_out, blocks), at)
+        if b is not None:
+            state.claim(b, Shard(0, blocks), at)
+        if x in state.needs_grad and not gathered_here:
+            state.plan.f_edges.setdefault(x, set()).add(node)
+        state.plan.decisions[node] = Decision("column")
+        return state.set(node, Shard(out_dim, blocks), {node}, rule="matmul.column")
+    if gathered_here:   # not column after all: its input gradient is whole
+        state.plan.gather_edges[x][1].discard(node)
+        state.plan.gather_full_edges.setdefault(x, (state.plan.gather_edges[x][0], set()))[1].add(node)
+    state.claim(w, R, at)
+    if b is not None:
+        state.claim(b, R, at)
+    state.plan.decisions[node] = Decision("replicated", reason)
+    state.set(node, R, rule="matmul.replicated")
+
+
+def activation_matmul(state, node, x, w):
+    """A matmul of two activations (attention scores, ...). Precondition: both whole, or
+    both split along the same batch dim (heads), not a contracted or output row/column
+    dim; otherwise the splits' matmuls are demoted."""
+    for a in (x, w):
+        if isinstance(state.get(a), Partial) or state.get(a) is None:
+            state.replicate(a, node)
+    px, pw = state.get(x), state.get(w)
+    nd = val(node).ndim
+    if isinstance(px, Replicate) and isinstance(pw, Replicate):
+        return state.set(node, R, rule="matmul.activations")
+    origins = state.orig(x) | state.orig(w)
+    if isinstance(px, Shard) and isinstance(pw, Shard):
+        dx = px.dim + nd - val(x).ndim
+        dw = pw.dim + nd - val(w).ndim
+        if dx == dw and dx < nd - 2 and px.blocks is None and pw.blocks is None:
+            return state.set(node, Shard(dx), origins, rule="matmul.activations")
+    state.demote(origins, node, "is a matmul of activations not split along the same batch dim")
+
+
+def _einsum_spec(node):
+    """(operand letters, output letters) of an einsum with an explicit output and no
+    ellipsis or repeated letter in one operand; None otherwise."""
+    eq = node.args[0].replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    ins, out = eq.split("->")
+    specs = ins.split(",")
+    if any(len(set(s)) != len(s) for s in specs + [out]) or len(specs) != len(node.args[1]):
+        return None
+    return specs, out
+
+
+@register(aten.einsum)
+def einsum(state, node):
+    """``einsum(eq, [x, W])`` with a 2-D parameter ``W`` that has one letter only in the
+    output (its output features) and one only in ``x`` (contracted), every other letter
+    of ``x`` kept: a linear (``linear``: column or row). Otherwise an einsum of
+    activations. Precondition there: all operands whole, or every operand holding one
+    letter split along it (the output then split along it, or a partial sum where it is
+    contracted); otherwise the splits' matmuls are demoted. Equations with ``...``, an
+    implicit output or a repeated letter run replicated."""
+    spec = _einsum_spec(node)
+    if spec is None:
+        return replicate_all(state, node, "is an einsum with '...', an implicit output or a diagonal")
+    specs, out = spec
+    ops = list(node.args[1])
+    if len(ops) == 2:
+        for wi in (0, 1):
+            w, x = ops[wi], ops[1 - wi]
+            ws, xs = specs[wi], specs[1 - wi]
+            if w not in state.free or x in state.free or val(w) is None or val(w).ndim != 2:
+                continue
+            o = [c for c in ws if c in out and c not in xs]
+            i = [c for c in ws if c in xs and c not in out]
+            if len(o) == 1 and len(i) == 1 and set(out) == (set(xs) - set(i)) | set(o):
+                return linear(state, node, x, w, None, ws.index(o[0]), ws.index(i[0]), xs.index(i[0]),
+                              out.index(o[0]))
+    _activation_einsum(state, node, ops, specs, out)
+
+
+def _activation_einsum(state, node, ops, specs, out):
+    for a in ops:
+        if isinstance(state.get(a), Partial) or state.get(a) is None:
+            state.replicate(a, node)
+    ps = [state.get(a) for a in ops]
+    if all(isinstance(p, Replicate) for p in ps):
+        return state.set(node, R, rule="matmul.einsum")
+    origins = set().union(*(state.orig(a) for a in ops))
+    letters = {(s[norm(p.dim, len(s))], p.blocks) for s, p in zip(specs, ps) if isinstance(p, Shard)}
+    if len(letters) == 1:
+        (c, blocks), = letters
+        if blocks is None and all(isinstance(p, Shard) for s, p in zip(specs, ps) if c in s):
+            plc = Shard(out.index(c)) if c in out else Partial()
+            return state.set(node, plc, origins, rule="matmul.einsum")
+    state.demote(origins, node, "is an einsum of activations not split along one letter of every operand "
+                                "that has it")
+

@@ -1,0 +1,83 @@
+"""Elementwise ops (anything tagged ``torch.Tag.pointwise``, and the few listed here)."""
+from __future__ import annotations
+
+import torch
+
+from fxmegatron.passes.tensor_parallel.nodes import is_tensor_node, packet, val, where
+from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
+from fxmegatron.passes.tensor_parallel.rules.registry import register
+from fxmegatron.passes.tensor_parallel.sequence import SEQ, reduce_partial
+from fxmegatron.placement import Partial, R, Shard
+
+aten = torch.ops.aten
+
+# elementwise, but not tagged pointwise in ATen
+_ELEMENTWISE_EXTRA = (aten.dropout, aten.to, aten._to_copy, aten.type_as, aten.masked_fill, aten.where,
+                      aten.alias, aten.clone, aten.contiguous, aten.detach, aten.lift_fresh_copy, aten.gelu,
+                      aten.silu, aten.native_dropout)
+# copies through which a partial sum stays a partial sum
+_KEEP_PARTIAL = {aten.alias, aten.clone, aten.contiguous}
+
+
+@register(*_ELEMENTWISE_EXTRA)
+def pointwise(state, node):
+    """Carries one split dim through, broadcasting as ATen does.
+
+    Precondition: every split input is split along the same (right-aligned) dim with the
+    same blocks. A whole input is then sliced to match: a parameter is claimed split the
+    same way; a constant is sliced locally; a replicated activation on sequence shards is
+    split (``split_seq``); an input broadcast along the split dim stays whole, with f on
+    its gradient. Otherwise the split's column matmuls are demoted: inputs split along
+    different dims, a parameter that must stay replicated, or a replicated activation
+    with gradients (a residual add) outside sequence parallelism.
+    A partial sum is reduced first (g, or reduce-scatter on sequence shards), except
+    through a plain copy (alias / clone / contiguous), which keeps it partial.
+    """
+    pk = packet(node)
+    out = val(node)
+    if not isinstance(out, torch.Tensor):
+        return replicate_all(state, node, "returns a non-tensor")
+    nd = out.ndim
+    tensors = [a for a in node.all_input_nodes if is_tensor_node(a) or a in state.free]
+    partials = [a for a in tensors if isinstance(state.get(a), Partial)]
+    split = [a for a, _ in state.shard_inputs(node) if SEQ not in state.orig(a)]
+    if partials and not state.shard_inputs(node) and pk in _KEEP_PARTIAL and len(partials) == 1:
+        state.carry_bias(partials[0], node)
+        return state.set(node, Partial())
+    for a in partials:
+        state.replicate(a, node) if split else reduce_partial(state, a, node)
+    shards = state.shard_inputs(node)
+    if not shards:
+        for a in tensors:
+            if state.get(a) is None:
+                state.claim(a, R, where(node))
+        return state.set(node, R)
+    origins = set().union(*(state.orig(a) for a, _ in shards))
+    dims = {(p.dim + nd - val(a).ndim, p.blocks) for a, p in shards}
+    if len(dims) > 1:
+        state.demote(origins, node, f"combines inputs split along different dims {sorted(map(str, dims))}")
+    d, blocks = dims.pop()
+    seq = SEQ in origins
+    for a in tensors:
+        if isinstance(state.get(a), Shard):
+            continue
+        ad = d - (nd - val(a).ndim)
+        if ad < 0 or val(a).shape[ad] == 1:
+            # broadcast along the split dim: each rank's gradient is a partial sum -> f
+            if a in state.free:
+                state.claim(a, R, where(node))
+            if a in state.free or a in state.needs_grad:
+                state.plan.f_edges.setdefault(a, set()).add(node)
+            continue
+        if a in state.free and not seq:
+            if not state.claim(a, Shard(ad, blocks), where(node)):
+                state.demote(origins, node, f"uses parameter {state.free[a][0]} that must stay replicated")
+        elif a not in state.needs_grad and a not in state.free and blocks is None:
+            state.plan.slice_edges.setdefault((a, ad), set()).add(node)
+        elif seq:
+            if a in state.free:
+                state.claim(a, R, where(node))
+            state.plan.split_edges.setdefault(a, (ad, set()))[1].add(node)
+        else:
+            state.demote(origins, node, f"combines it with the replicated activation {a.name}")
+    state.set(node, Shard(d, blocks), origins)

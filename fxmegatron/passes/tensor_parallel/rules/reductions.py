@@ -1,0 +1,115 @@
+"""Ops along one dim: softmax, sum/mean/amax/amin, slice/select, cat."""
+from __future__ import annotations
+
+import torch
+
+from fxmegatron.passes.tensor_parallel.nodes import norm, val
+from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
+from fxmegatron.passes.tensor_parallel.rules.registry import register
+from fxmegatron.placement import R, Replicate, Shard
+
+aten = torch.ops.aten
+
+
+def _split_input(state, node):
+    """(input, its split, dim count, split dim from the front, origins), or None after
+    running ``node`` replicated when its input is not split."""
+    x = node.args[0]
+    p = state.get(x)
+    if not isinstance(p, Shard):
+        replicate_all(state, node, "")
+        return None
+    nd = val(x).ndim
+    return x, p, nd, norm(p.dim, nd), state.orig(x)
+
+
+@register(aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax)
+def softmax(state, node):
+    """Precondition: the softmax dim is not the split dim (attention scores split by
+    heads); otherwise the split's matmuls are demoted."""
+    s = _split_input(state, node)
+    if s is None:
+        return
+    x, p, nd, d, origins = s
+    if norm(node.args[1], nd) == d:
+        state.demote(origins, node, "takes a softmax over the split dim")
+    state.set(node, p, origins)
+
+
+@register(aten.sum, aten.mean, aten.amax, aten.amin)
+def reduce(state, node):
+    """Precondition: the split dim is not reduced (the split moves left past reduced dims
+    unless keepdim); otherwise the split's matmuls are demoted."""
+    s = _split_input(state, node)
+    if s is None:
+        return
+    x, p, nd, d, origins = s
+    dims = node.args[1] if len(node.args) > 1 else None
+    dims = list(range(nd)) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+    dims = [norm(i, nd) for i in dims]
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if d in dims:
+        state.demote(origins, node, "reduces over the split dim")
+    e = d if keep else d - sum(1 for i in dims if i < d)
+    state.set(node, Shard(e, p.blocks), origins)
+
+
+@register(aten.slice, name="reductions.slice")
+def slice_(state, node):
+    """Precondition: the split dim is taken whole (slicing another dim keeps the split);
+    otherwise the split's matmuls are demoted."""
+    s = _split_input(state, node)
+    if s is None:
+        return
+    x, p, nd, d, origins = s
+    dim = norm(node.args[1] if len(node.args) > 1 else 0, nd)
+    full = (len(node.args) < 3 or node.args[2] in (0, None)) and (
+        len(node.args) < 4 or node.args[3] is None or node.args[3] >= val(x).shape[dim])
+    if dim == d and not full:
+        state.demote(origins, node, "slices the split dim")
+    state.set(node, p, origins)
+
+
+@register(aten.select)
+def select(state, node):
+    """Precondition: the selected dim is not the split dim; otherwise the split's matmuls
+    are demoted."""
+    s = _split_input(state, node)
+    if s is None:
+        return
+    x, p, nd, d, origins = s
+    dim = norm(node.args[1], nd)
+    if dim == d:
+        state.demote(origins, node, "selects along the split dim")
+    state.set(node, Shard(d - (dim < d), p.blocks), origins)
+
+
+def _empty_along(a, dim, nd) -> bool:
+    """An input of cat that contributes nothing: empty along the cat dim (or a 1-D empty
+    tensor, which cat skips)."""
+    v = val(a)
+    return v is not None and v.numel() == 0 and (v.ndim == 1 or (v.ndim == nd and v.shape[dim] == 0))
+
+
+@register(aten.cat)
+def cat(state, node):
+    """Precondition: all inputs replicated, or all split along the same dim (without fused
+    blocks), which is not the cat dim. Inputs empty along the cat dim (a KV cache before
+    its first token) contribute nothing: they are left out of the check, and of the cat
+    when the result is split. Otherwise the splits' matmuls are demoted."""
+    tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    nd = val(node).ndim
+    dim = norm(dim, nd)
+    live = [a for a in tensors if not _empty_along(a, dim, nd)] or list(tensors)
+    ps = [state.get(a) for a in live]
+    if all(isinstance(p, Replicate) for p in ps):
+        return state.set(node, R)
+    origins = set().union(*(state.orig(a) for a in live))
+    if all(isinstance(p, Shard) for p in ps) and len({(norm(p.dim, nd), p.blocks) for p in ps}) == 1 \
+            and norm(ps[0].dim, nd) != dim and ps[0].blocks is None:
+        if len(live) < len(tensors):
+            state.plan.arg_rewrites[node] = (live,) + tuple(node.args[1:])
+        return state.set(node, ps[0], origins)
+    if origins:
+        state.demote(origins, node, "concatenates differently split inputs or along the split dim")
+    replicate_all(state, node, "")
