@@ -11,11 +11,11 @@ from fxmegatron import verify
 from fxmegatron.io.dump import write_dump
 from fxmegatron.ops.vocab_parallel import vocab_parallel_embedding
 from fxmegatron.passes.tensor_parallel.rules import RULES, register, rule_for
-from fxmegatron.placement import R, Shard
+from fxmegatron.placement import Shard
 from tests import models
 from tests.helpers import decisions, transform
-from tests.test_tp_rules_models import (SPELLINGS, CacheAttention, GqaAttention, Mlp, MoeSharedGate, llama,
-                                  llama_batch)
+from tests.test_tp_rules_models import (SPELLINGS, CacheAttention, GqaAttention, Mlp, MoeSharedGate,
+                                         PartialKeyAttention, llama, llama_batch)
 
 aten = torch.ops.aten
 
@@ -26,10 +26,6 @@ def test_every_node_names_the_rule_that_placed_it(tmp_path):
     _, plan, gm = transform(models.build("llama", n_layer=1), models.batch("llama"), tp=2)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert all("tp_rule" in n.meta for n in calls)
-    by_module = {}
-    for n in calls:
-        by_module.setdefault(n.meta.get("nn_module_stack") and list(n.meta["nn_module_stack"].values())[-1][0],
-                             set()).add(n.meta["tp_rule"])
     rules = {n.meta["tp_rule"] for n in calls}
     assert {"matmul.column", "matmul.row", "embedding.vocab", "embedding.vocab_loss", "views.view",
             "views.layout", "pointwise", "attention.sdpa", "collective"} <= rules, rules
@@ -145,6 +141,15 @@ def test_sdpa_enable_gqa_with_fewer_kv_heads_than_tp(kv, tp):
     assert d["q"].kind == "column" and d["o"].kind == "row", d
     assert {d["k"].kind, d["v"].kind} == ({"column"} if kv % tp == 0 else {"replicated"}), d
     verify(GqaAttention(kv), (torch.randn(2, 8, 64),), tp=tp)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (4, True)])
+def test_kv_heads_taken_after_the_key_is_reduced(tp, sp):
+    # the key is a row-parallel partial sum: g first, then f and this rank's kv heads
+    _, plan, _ = transform(PartialKeyAttention(), (torch.randn(2, 8, 64),), tp=tp, sequence_parallel=sp)
+    d = decisions(plan)
+    assert d["k1"].kind == "column" and d["k"].kind == "row" and d["q"].kind == "column", d
+    verify(PartialKeyAttention(), (torch.randn(2, 8, 64),), tp=tp, sequence_parallel=sp)
 
 
 # ---- 5. a cat with an empty input --------------------------------------------------------------

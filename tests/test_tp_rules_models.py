@@ -118,3 +118,21 @@ class CacheAttention(nn.Module):
         v = torch.cat([past, v], dim=-2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, s, h)).pow(2).mean()
+
+
+class PartialKeyAttention(GqaAttention):
+    """One kv head computed by a column-then-row MLP: the key reaches attention as a partial
+    sum, reduced (g) before each rank takes its kv heads."""
+
+    def __init__(self, kv=1, heads=8, h=64):
+        super().__init__(kv, heads, h)
+        self.k1 = nn.Linear(h, 2 * h)
+        self.k = nn.Linear(2 * h, kv * self.d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.d).transpose(1, 2)
+        k = self.k(F.gelu(self.k1(x))).view(b, s, self.kv, self.d).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv, self.d).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1)).pow(2).mean()

@@ -36,9 +36,9 @@ class TPPlan:
     gather_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)       # into column matmuls
     gather_full_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)  # anywhere else
     split_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)
-    # a replicated key/value each rank slices to the kv heads its query heads use:
-    # src -> (dim, (start, length) per rank, f before the slice, consumers)
-    head_slices: Dict[fx.Node, Tuple[int, Tuple[Tuple[int, int], ...], bool, Set[fx.Node]]] = \
+    # a whole key/value that each rank slices to the kv heads its query heads use:
+    # (attention, arg index) -> (dim, (start, length) per rank, f before the slice)
+    head_slices: Dict[Tuple[fx.Node, int], Tuple[int, Tuple[Tuple[int, int], ...], bool]] = \
         field(default_factory=dict)
     bias_after: Dict[fx.Node, fx.Node] = field(default_factory=dict)
     row_bias: Set[fx.Node] = field(default_factory=set)

@@ -132,16 +132,20 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
         rewire(src2, insert_after(src2, copy_to_tp, (src2, group_name), R), users)
     for (src, dim), users in plan.slice_edges.items():
         rewire(src, insert_after(src, local_shard, (src, dim, rank, tp), Shard(dim)), users)
-    for src, (dim, spans, f_here, users) in plan.head_slices.items():
-        # the kv heads this rank's query heads use, out of a key/value every rank computes whole
-        x = insert_after(src, copy_to_tp, (src, group_name), R) if f_here else src
+    for (node, i), (dim, spans, f_here) in plan.head_slices.items():
+        # the kv heads this rank's query heads use, out of a key/value every rank holds whole
+        # (last: the input may have been reduced or gathered for this attention above)
+        src = x = node.args[i]
+        if f_here:
+            x = insert_after(x, copy_to_tp, (x, group_name), R)
         start, length = spans[rank]
-        if (start, length) != (0, src.meta["val"].shape[dim]):
-            regular = all(s == r * length for r, (s, _) in enumerate(spans)) and length * tp == src.meta["val"].shape[dim]
+        heads = src.meta["val"].shape[dim]
+        if (start, length) != (0, heads):
+            # rank r holding slice r is Shard(dim); ranks sharing kv heads hold no placement of src
+            regular = length * tp == heads and all(s == r * length for r, (s, _) in enumerate(spans))
             x = insert_after(x, aten.slice.Tensor, (x, dim, start, start + length), Shard(dim) if regular else None,
-                             f"attention.kv_heads: heads [{start}, {start + length}) of {src.name}, "
-                             "the ones this rank's query heads use")
-        rewire(src, x, users)
+                             f"attention.kv_heads {start}:{start + length} of {src.name}")
+        node.update_arg(i, x)
     for node, plc in plan.node_plc.items():
         if node.graph is g and "placement" not in node.meta:
             node.meta["placement"] = plc

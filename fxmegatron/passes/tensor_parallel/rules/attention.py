@@ -33,11 +33,12 @@ def kv_spans(n_q: int, n_kv: int, tp: int):
     return tuple((r * local // rep, max(1, local // rep)) for r in range(tp))
 
 
-def _f_edge(state, a, node):
+def _f_edge(a):
     """Where f goes for the replicated key/value ``a`` that each rank slices: on the edge
     into the repeat (unsqueeze/expand/reshape) that made ``a`` from a smaller tensor, when
     nothing else uses the repeat (the backward all-reduce is then of the kv heads only);
-    None: right before the slice."""
+    None: right before the slice. (f commutes with the repeat's backward: its forward
+    input is the same on every rank and a backward is linear in the gradient.)"""
     if len(a.users) != 1 or packet(a) not in _REPEAT:
         return None
     top = a
@@ -65,7 +66,7 @@ def sdpa(state, node):
     q, k, v = node.args[:3]
     mask = arg(node, 3, "attn_mask")
     for a in (q, k, v):
-        if isinstance(state.get(a), Partial):
+        if isinstance(state.get(a), Partial) or state.get(a) is None:   # a partial sum, a parameter
             state.replicate(a, node)
     ps = [state.get(a) for a in (q, k, v)]
     origins = set().union(*(state.orig(a) for a in (q, k, v)))
@@ -79,19 +80,20 @@ def sdpa(state, node):
         if isinstance(p, Shard) and not _by_heads(p):
             state.demote(state.orig(a), node, f"needs its key/value {a.name} split by heads (dim 1) or whole, "
                                               f"got {p}")
-    for a, p in zip((k, v), ps[1:]):
-        if isinstance(p, Replicate) and a in state.plan.head_slices:
-            state.plan.head_slices[a][3].add(node)
-        elif isinstance(p, Replicate):
-            n_q, n_kv = val(q).shape[1], val(a).shape[1]
-            spans = kv_spans(n_q, n_kv, state.tp)
-            if spans is None:
-                state.demote(origins, node, f"has {n_q} query heads and {n_kv} kv heads: over tp={state.tp} "
-                                            "ranks the kv heads each rank's query heads use are uneven")
-            upstream = _f_edge(state, a, node) if a in state.needs_grad else None
-            if upstream is not None:
-                state.plan.f_edges.setdefault(upstream[0], set()).add(upstream[1])
-            state.plan.head_slices[a] = (1, spans, a in state.needs_grad and upstream is None, {node})
+    for i, (a, p) in enumerate(zip((k, v), ps[1:]), 1):
+        if not isinstance(p, Replicate):
+            continue
+        n_q, n_kv = val(q).shape[1], val(a).shape[1]
+        spans = kv_spans(n_q, n_kv, state.tp)
+        if spans is None:
+            state.demote(origins, node, f"has {n_q} query heads and {n_kv} kv heads: over tp={state.tp} ranks "
+                                        "the kv heads each rank's query heads use are uneven")
+        grad = a in state.needs_grad
+        # whole as computed (not reduced or gathered for this attention): f may go before its repeat
+        upstream = _f_edge(a) if grad and isinstance(state.base(a), Replicate) else None
+        if upstream is not None:
+            state.plan.f_edges.setdefault(upstream[0], set()).add(upstream[1])
+        state.plan.head_slices[(node, i)] = (1, spans, grad and upstream is None)
     if isinstance(mask, fx.Node):
         mp = state.get(mask)
         mv = val(mask)
