@@ -93,6 +93,11 @@ Problems this benchmark found in fxmegatron on 4 H200s, fixed since: ``fx-dp2-*`
 at once (the dp all-reduce of the token counts was a CPU tensor), and ``fx-tp2-pp2-v2``
 hung in its first step (every boundary relayed sequence parallelism's per-parameter
 copies: 39 tensors per microbatch instead of 1).
+
+This script parses the arguments and runs the rounds; the parts are in benchmarks/e2e/:
+layouts (the names above), master_weights (``MasterWeightAdamW``), builders (each
+framework's model), measure (timing, memory), profiling (the breakdown), report (the table,
+the --check, --json).
 """
 from __future__ import annotations
 

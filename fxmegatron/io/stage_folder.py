@@ -152,9 +152,9 @@ def write_folder(pm, folder: str) -> None:
     for dim in ("tp", "pp", "dp"):
         if pm._axes[dim].group_name:
             groups[pm._axes[dim].group_name] = "@" + dim
-    from fxmegatron.ops import groups
+    from fxmegatron.ops.groups import GROUP_ALIASES
     for real, sym in groups.items():   # the live model keeps running on the symbolic names
-        groups.GROUP_ALIASES[sym] = real
+        GROUP_ALIASES[sym] = real
     sub = os.path.join(folder, f"pp{pm.pp_rank}-tp{pm.tp_rank}")
     os.makedirs(sub, exist_ok=True)
     with open(os.path.join(sub, "stage.py"), "w") as f:
@@ -211,7 +211,7 @@ def _get(mod, target):
 def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
     """A ``ParallelModel`` for this rank from a compiled folder (no model code needed).
     ``grad_accum_dtype``: as ``parallelize``'s."""
-    from fxmegatron.ops import groups
+    from fxmegatron.ops.groups import GROUP_ALIASES
     from fxmegatron.api import ParallelModel, Pipeline, _mesh_axes, _runtime_device, attach_grad_hooks, chunk_uses
     from fxmegatron.runtime.grad_accumulation import check_grad_accum_dtype
     from fxmegatron.passes.pipeline_split import Chunk
@@ -233,7 +233,7 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
             raise CompiledFolderError(f"{folder} was compiled for {dim}={man['layout'][dim]}, the mesh has "
                                       f"{dim}={axes[dim].size}")
     for dim in ("tp", "pp", "dp"):
-        groups.GROUP_ALIASES["@" + dim] = axes[dim].group_name
+        GROUP_ALIASES["@" + dim] = axes[dim].group_name
     device = device or _runtime_device(mesh)
     pp, tp, dp = axes["pp"], axes["tp"], axes["dp"]
     sub = os.path.join(folder, f"pp{pp.rank}-tp{tp.rank}")
@@ -266,6 +266,7 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
                              Shard(p["placement"]["dim"], tuple(p["placement"]["blocks"])
                                    if p["placement"]["blocks"] else None)) for p in man["params"]}
     captured = SimpleNamespace(in_spec=pytree.treespec_loads(man["in_spec"]), aliases=man["aliases"],
+                               input_names=[f"input {i}" for i in range(len(man["batch"]))],
                                params={p["name"]: torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]),
                                                               device="meta") for p in man["params"]})
     plan = SimpleNamespace(param_plc=param_plc, replicated_params={}, sequence_parallel=man["sequence_parallel"],
