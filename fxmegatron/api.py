@@ -137,6 +137,8 @@ class ParallelModel(nn.Module):
         self._input_names = list(captured.input_names)
         # the first steps check that every tp and pp rank got the same batch (see check_same_batch)
         self.batch_checks = 3
+        self.coverage = None            # how much tp splits (parallelize sets it)
+        self.notes: List[str] = []      # what capture changed
         self._grad_sync: Optional[GradSync] = None
         self._grad_accum: Optional[Fp32GradAccumulator] = None
         self._count_tokens = None       # flat microbatch -> tokens its loss averages over
@@ -381,9 +383,9 @@ class ParallelModel(nn.Module):
                 "planning attempts": str(self._plan.attempts)}
         for name, why in self._plan.replicated_params.items():
             info[f"kept replicated: {name}"] = why
-        if getattr(self, "coverage", None) is not None:
+        if self.coverage is not None:
             info["split"] = self.coverage.summary(top=10)
-        for i, note in enumerate(getattr(self, "notes", [])):
+        for i, note in enumerate(self.notes):
             info[f"capture note {i}"] = note
         root = f"{directory}/rank{dist.get_rank() if dist.is_initialized() else 0}"
         if self._pipeline is None:
@@ -473,7 +475,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     gm = cap.gm
     t0 = time.perf_counter()
     plan = transform_rank(gm, cap, tp.size, tp.rank, tp.group_name, sequence_parallel, seed, dp.rank)
-    cov = coverage(gm, plan, cap.params)    # before shapes become local
+    cov = coverage(gm, plan, cap.params)    # after the rewrite, before shapes become local
     timings["tensor_parallel_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     local = assemble_local(gm, cap, plan, tp.rank, tp.size, "meta" if pipelined else device, state_dict, seed)
@@ -542,10 +544,9 @@ def _verify_first(model, example_batch, tp, sequence_parallel, recompute, seed) 
     import copy
 
     from fxmegatron.verify import verify as check
-    if any(p.device.type == "meta" for p in model.parameters()):
-        raise ShardingError("parallelize(verify=True) runs the model on simulated ranks and needs real weights: "
-                            "verify a tiny config of it with fxmegatron.verify (or `fxmegatron verify`) instead")
-    cpu = copy.deepcopy(model).cpu()
+    # simulated ranks run on the CPU (verify refuses a meta model itself)
+    on_cpu = all(p.device.type in ("cpu", "meta") for p in model.parameters())
+    cpu = model if on_cpu else copy.deepcopy(model).cpu()
     report = check(cpu, pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), example_batch), tp=tp,
                    sequence_parallel=sequence_parallel, recompute=recompute, seed=seed)
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.workers.common import side_by_side
 from tests.test_tp_rules_models import SPELLINGS, GqaAttention, Mlp, llama, llama_batch
 
 
@@ -34,15 +35,6 @@ def build(case):
     raise ValueError(case)
 
 
-def _call(model, b):
-    out = model(**b) if isinstance(b, dict) else model(*b)
-    return out if isinstance(out, torch.Tensor) else out.loss
-
-
-def _rel_err(a, b, floor):
-    return ((a - b).abs().max() / max(b.abs().max().item(), floor, 1e-30)).item()
-
-
 def train_cases(rank, world, cases, steps=3):
     """For each case: both models' losses over ``steps`` AdamW steps, each parameter's
     first-step gradient error, the decision of each matmul / embedding (by module) and
@@ -58,26 +50,9 @@ def train_cases(rank, world, cases, steps=3):
         model, batch, kw = build(case)
         ref = copy.deepcopy(model)
         pm = fxmegatron.parallelize(model, mesh, batch(0), **kw)
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-        losses, losses_ref, grad_err = [], [], {}
-        for step in range(steps):
-            b = batch(step)
-            lr_ = _call(ref, b)
-            lr_.backward()
-            lp = pm(b)
-            lp.backward()
-            losses_ref.append(lr_.item())
-            losses.append(lp.item())
-            if step == 0:
-                full = pm.full_grads()
-                floor = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
-                grad_err = {n: _rel_err(full[n], p.grad, floor) if n in full else float("inf")
-                            for n, p in ref.named_parameters() if p.grad is not None}
-            opt_ref.step(); opt_ref.zero_grad()
-            opt.step(); opt.zero_grad()
+        r = side_by_side(pm, ref, batch, steps, lr=1e-2)
         gm = pm.graph_module
-        out[case] = {"losses": losses, "losses_ref": losses_ref, "grad_err": grad_err,
+        out[case] = {**r,
                      "decisions": {module_path(n) or n.name: n.meta["tp_decision"].split(":")[0]
                                    for n in gm.graph.nodes if "tp_decision" in n.meta},
                      "params": {n.target: str(n.meta.get("placement")) for n in gm.graph.nodes if n.op == "get_attr"}}

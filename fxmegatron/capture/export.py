@@ -25,7 +25,7 @@ from fxmegatron.capture.inputs import check_scalar_loss, distinct_inputs, traini
 from fxmegatron.errors import CaptureError
 
 
-class _LossOnly(nn.Module):
+class LossOnly(nn.Module):
     """Keeps only the loss as the graph's output (HF models return a ModelOutput)."""
 
     def __init__(self, model: nn.Module, extra_kwargs=None):
@@ -110,7 +110,7 @@ def capture(model: nn.Module, example_batch) -> Captured:
              for c in cloned]
     notes += [f"captured with {k}={v!r} (a training graph keeps no inference cache)" for k, v in extra.items()]
     try:
-        ep = torch.export.export(_LossOnly(model, extra), args, kwargs, strict=False)
+        ep = torch.export.export(LossOnly(model, extra), args, kwargs, strict=False)
     except CaptureError:
         raise
     except Exception as exc:  # export raises many types; we add the place and re-raise

@@ -31,7 +31,8 @@ def _arg(node, i, name, default):
     return node.kwargs.get(name, default)
 
 
-def _sites(gm: fx.GraphModule):
+def dropout_sites(gm: fx.GraphModule):
+    """The dropout nodes (p > 0) of ``gm``, in order; raises on random ops it cannot key."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -48,7 +49,7 @@ def _sites(gm: fx.GraphModule):
 
 def apply_counter_rng(gm: fx.GraphModule, rank: int, world: int, seed: int) -> fx.GraphModule:
     """Rewrite dropouts in place; adds a ``DropoutRng`` submodule ``fxm_rng`` when there are any."""
-    sites = _sites(gm)
+    sites = dropout_sites(gm)
     if not sites:
         return gm
     g = gm.graph

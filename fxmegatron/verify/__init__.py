@@ -23,14 +23,14 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxmegatron.capture import batch_args, capture
+from fxmegatron.capture import LossOnly, batch_args, capture
 from fxmegatron.errors import VerificationError
+from fxmegatron.passes.dropout_rng import dropout_sites
 from fxmegatron.passes.recompute import apply_recompute
 from fxmegatron.passes.tp_coverage import Coverage, coverage
 from fxmegatron.placement import R, Replicate, join_shards
@@ -89,16 +89,6 @@ def fresh_batch(example, seed: int = 1):
     return pytree.tree_map(redraw, example)
 
 
-def _has_dropout(gm) -> bool:
-    for n in gm.graph.nodes:
-        if n.target is aten.dropout.default and n.args[1] > 0:
-            return True
-        if n.target is aten.scaled_dot_product_attention.default and (
-                (n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)) > 0):
-            return True
-    return False
-
-
 def _without_dropout(gm):
     for n in gm.graph.nodes:
         if n.target is aten.dropout.default:
@@ -111,12 +101,6 @@ def _without_dropout(gm):
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
-
-
-def _call(model, batch):
-    args, kwargs = batch_args(batch)
-    out = model(*args, **kwargs)
-    return out if isinstance(out, torch.Tensor) else (out["loss"] if isinstance(out, dict) else out.loss)
 
 
 def verify(model: nn.Module, example_batch, *, tp: int = 2, sequence_parallel: bool = False,
@@ -134,11 +118,12 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, sequence_parallel: b
     batch = fresh_batch(example_batch, seed + 1) if batch is None else batch
     ref_model = copy.deepcopy(model)
     cap = capture(model, example_batch)
-    dropout = _has_dropout(cap.gm)
+    dropout = bool(dropout_sites(cap.gm))
     if dropout:
         ref_model.eval()
     inputs = pytree.tree_leaves(batch_args(batch))
-    loss_eager = _call(ref_model, batch)
+    args, kwargs = batch_args(batch)
+    loss_eager = LossOnly(ref_model)(*args, **kwargs)
     loss_eager.backward()
     eager_grads = {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
 
@@ -156,11 +141,13 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, sequence_parallel: b
             "ignores, Python values that are constants in the graph)")
 
     graphs = [copy.deepcopy(cap.gm) for _ in range(tp)]
-    plans = [None] * tp
+    plans, cov = [None] * tp, []
 
     def rank_body(rank: int, group_name: str):
         gm = graphs[rank]
         plans[rank] = transform_rank(gm, cap, tp, rank, group_name, sequence_parallel, seed)
+        if rank == 0:   # as parallelize does: after the rewrite, before shapes become local
+            cov.append(coverage(gm, plans[0], cap.params))
         local = assemble_local(gm, cap, plans[rank], rank, tp, "cpu", None, seed)
         apply_recompute(local, recompute)
         if dropout:
@@ -168,9 +155,6 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, sequence_parallel: b
         graphs[rank] = local
         return forward_backward(local, inputs)
 
-    cov_gm = copy.deepcopy(cap.gm)   # coverage reads the plan on an unrewritten graph
-    from fxmegatron.passes.tensor_parallel import plan_tensor_parallel
-    cov = coverage(cov_gm, plan_tensor_parallel(cov_gm, tp, cap.params.keys(), sequence_parallel), cap.params)
     results = run_ranks(tp, rank_body)
     plan = plans[0]
 
@@ -210,7 +194,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, sequence_parallel: b
     worst = max(grad_errs, key=grad_errs.get) if grad_errs else ""
     nodes = sum(1 for _ in graphs[0].graph.nodes)
     return VerifyReport(layout, loss.item(), loss_eager.item(), grad_errs.get(worst, 0.0), worst, nodes,
-                        time.perf_counter() - t0, cov)
+                        time.perf_counter() - t0, cov[0])
 
 
 __all__ = ["verify", "VerifyReport", "fresh_batch"]

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.capture import module_path
-from fxmegatron.placement import Partial, Replicate, Shard, join_shards
+from fxmegatron.placement import Replicate, Shard, join_shards
 
 
 aten = torch.ops.aten
@@ -154,7 +154,3 @@ def describe_users(graph: fx.Graph, name: str) -> str:
     return "; ".join(f"node {u.name} ({getattr(u.target, '__name__', u.target)})"
                      f"{' in ' + module_path(u) if module_path(u) else ''}, rule {rule_of(u)!r}"
                      for u in users[:4])
-
-
-def is_partial(plc) -> bool:
-    return isinstance(plc, Partial)

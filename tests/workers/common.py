@@ -27,22 +27,38 @@ def mesh_3d(dp, pp, tp):
     return init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
-def train_side_by_side(pm, ref, name, steps, batch_size):
-    """``steps`` AdamW steps of ``pm.train_step`` and of the unmodified ``ref`` on the same
-    batches: both loss lists and the first step's gradient errors of this rank's parameters."""
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+def _forward_backward(pm, b):
+    loss = pm(b)
+    loss.backward()
+    return loss
+
+
+def side_by_side(pm, ref, batch, steps, lr=1e-3, step=_forward_backward, local_only=False):
+    """``steps`` AdamW steps of fxmegatron (``step(pm, b)``: forward and backward, returns the
+    loss) and of the unmodified ``ref`` on the same batches ``batch(i)``: both loss lists and the
+    first step's gradient error of each parameter (inf where fxmegatron has none, unless
+    ``local_only``: a pipeline rank holds only its stages' parameters)."""
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     losses, losses_ref, grad_err = [], [], {}
-    for step in range(steps):
-        b = models.batch(name, seed=step, batch_size=batch_size)
-        lr_ = models.call(ref, b)
-        lr_.backward()
-        losses_ref.append(lr_.item())
-        losses.append(pm.train_step(b).item())
-        if step == 0:
+    for i in range(steps):
+        b = batch(i)
+        loss_ref = models.call(ref, b)
+        loss_ref.backward()
+        losses_ref.append(loss_ref.item())
+        losses.append(step(pm, b).item())
+        if i == 0:
             full = pm.full_grads()
-            scale = 0.01 * max(p.grad.abs().max().item() for p in ref.parameters())
-            grad_err = {n: rel_err(full[n], p.grad, scale) for n, p in ref.named_parameters() if n in full}
+            grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+            scale = 0.01 * max(g.abs().max().item() for g in grads.values())
+            grad_err = {n: rel_err(full[n], g, scale) if n in full else float("inf")
+                        for n, g in grads.items() if n in full or not local_only}
         opt_ref.step(); opt_ref.zero_grad()
         opt.step(); opt.zero_grad()
     return {"losses": losses, "losses_ref": losses_ref, "grad_err": grad_err}
+
+
+def train_side_by_side(pm, ref, name, steps, batch_size):
+    """``side_by_side`` of ``pm.train_step`` on the test models' batches."""
+    return side_by_side(pm, ref, lambda i: models.batch(name, seed=i, batch_size=batch_size), steps,
+                        step=lambda pm, b: pm.train_step(b), local_only=True)
