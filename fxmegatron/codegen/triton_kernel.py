@@ -434,6 +434,7 @@ _CACHE: Dict[str, object] = {}
 # interpreting kernels at once break each other (fxmegatron.verify runs ranks as threads):
 # interpreted launches take turns. Compiled kernels are launched freely.
 _INTERPRETER_LOCK = threading.Lock()
+_COMPILE_LOCK = threading.Lock()
 
 
 class _Serialised:
@@ -459,8 +460,13 @@ def compile_source(src: str, name: str):
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     plain = interpret or torch.version.hip is not None
     key = hashlib.sha256((name + src + str(plain)).encode()).hexdigest()[:16]
-    if (key, interpret) in _CACHE:
+    with _COMPILE_LOCK:     # threads of one process (verify's ranks) compile a kernel once
+        if (key, interpret) not in _CACHE:
+            _CACHE[(key, interpret)] = _load(src, name, key, plain, interpret)
         return _CACHE[(key, interpret)]
+
+
+def _load(src: str, name: str, key: str, plain: bool, interpret: bool):
     folder = os.path.join(tempfile.gettempdir(), "fxmegatron_kernels")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"k_{key}.py")
@@ -474,10 +480,7 @@ def compile_source(src: str, name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     kernel = getattr(mod, name)
-    if interpret:
-        kernel = _Serialised(kernel)
-    _CACHE[(key, interpret)] = kernel
-    return kernel
+    return _Serialised(kernel) if interpret else kernel
 
 
 def _pow2(n: int) -> int:
