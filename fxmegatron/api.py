@@ -12,10 +12,8 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxmegatron.capture import Captured, batch_args, capture, retarget_device
+from fxmegatron.capture import Captured, batch_args, capture
 from fxmegatron.capture.inputs import check_batch
 from fxmegatron.runtime.batch_check import check_same_batch
 from fxmegatron.runtime.data_parallel import GradSync
@@ -23,19 +21,18 @@ from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad
 from fxmegatron.io.dump import write_dump
 from fxmegatron.errors import MeshError, ShardingError
 from fxmegatron.runtime.torch_compile import check_compile_options, compile_graph
-from fxmegatron.runtime.materialize import local_parameter
-from fxmegatron.passes.dropout_rng import RNG_ATTR, apply_counter_rng
+from fxmegatron.passes.dropout_rng import RNG_ATTR
 from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.pipeline_split import Chunk, split_pipeline
 from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
 from fxmegatron.passes.recompute import apply_recompute
-from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
-from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
+from fxmegatron.passes.tensor_parallel import TPPlan
 from fxmegatron.placement import Placement, R, join_shards
 from fxmegatron.schedules import Schedule, ScheduleError, make_schedule
 from fxmegatron.schedules.runtime import StageRunner
+from fxmegatron.compiler import assemble_local, check_local_shapes, first_microbatch, transform_rank
 from fxmegatron.runtime.stages import Stage, boundary_specs, build_stage, split_batch, token_counter
 
 _KNOWN_DIMS = ("dp", "pp", "tp")
@@ -470,7 +467,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
         _verify_first(model, example_batch, tp.size, sequence_parallel, recompute, seed)
     timings = {}
     t0 = time.perf_counter()
-    cap = capture(model, _first_microbatch(example_batch, microbatches, dp.size))
+    cap = capture(model, first_microbatch(example_batch, microbatches, dp.size))
     timings["capture_s"] = time.perf_counter() - t0
     gm = cap.gm
     t0 = time.perf_counter()
@@ -481,7 +478,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     local = assemble_local(gm, cap, plan, tp.rank, tp.size, "meta" if pipelined else device, state_dict, seed)
     timings["materialize_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _check_local_shapes(local, cap)
+    check_local_shapes(local, cap)
     if hasattr(local, RNG_ATTR):
         getattr(local, RNG_ATTR).step = 0   # the shape check ran one forward
     timings["shape_check_s"] = time.perf_counter() - t0
@@ -526,20 +523,6 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     return pm
 
 
-def transform_rank(gm: fx.GraphModule, cap: Captured, tp: int, tp_rank: int, group_name: str,
-                   sequence_parallel: bool, seed: int, dp_rank: int = 0) -> TPPlan:
-    """The graph passes that make one tensor-parallel rank's graph from the captured one, in
-    place: placement planning, the rewrite with f/g and sequence collectives on
-    ``group_name``, and counter-based dropout. Returns the plan."""
-    plan = plan_tensor_parallel(gm, tp, cap.params.keys(), sequence_parallel)
-    apply_tensor_parallel(gm, plan, tp_rank, group_name)
-    if tp == 1:
-        drop_trivial_collectives(gm)
-    # data-parallel replicas see different samples: their dropout masks must differ too
-    apply_counter_rng(gm, tp_rank, tp, seed + 0x9E3779B1 * dp_rank)
-    return plan
-
-
 def _verify_first(model, example_batch, tp, sequence_parallel, recompute, seed) -> None:
     import copy
 
@@ -581,56 +564,3 @@ def attach_grad_hooks(pm: ParallelModel, uses: Dict[int, int], dp: Axis, grad_ac
         pm._grad_accum = Fp32GradAccumulator(list(pm.parameters()), uses)
     if dp.size > 1:
         pm._grad_sync = GradSync(list(pm.parameters()), uses, dp.group, dp.size)
-
-
-def _first_microbatch(batch, m: int, dp: int = 1):
-    """The graph is traced at microbatch size (shapes are static): the example batch (the
-    global batch of a step) split over dp ranks, then into m microbatches; the first piece."""
-    if m < 1:
-        raise ScheduleError(f"microbatches={m}: must be >= 1")
-    if m * dp == 1:
-        return batch
-    flat, spec = pytree.tree_flatten(batch)
-    names = [f"example batch input {i}" for i in range(len(flat))]
-    if dp > 1:
-        flat = split_batch(flat, dp, names, f"dp={dp}")[0]
-    return pytree.tree_unflatten(split_batch(flat, m, names)[0], spec)
-
-
-def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, world: int, device,
-                   state_dict: Optional[Mapping] = None, seed: int = 0) -> fx.GraphModule:
-    """The rank's GraphModule: its parameter shards, buffers and submodules, on ``device``."""
-    root = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        if node.target in cap.params:
-            root[node.target] = local_parameter(node.target, cap.params[node.target],
-                                                plan.param_plc.get(node.target, R), rank, world,
-                                                device, state_dict, seed)
-        elif node.target in cap.buffers:
-            root[node.target] = cap.buffers[node.target].to(device)
-        else:   # lifted constants and submodules (the dropout RNG)
-            t = getattr(gm, node.target)
-            root[node.target] = t.to(device) if isinstance(t, torch.Tensor) else t
-    local = fx.GraphModule(root, gm.graph)
-    return retarget_device(local, device)
-
-
-def _check_local_shapes(gm: fx.GraphModule, cap: Captured) -> None:
-    """Propagate fake tensors with the local shards: shapes of the rewritten graph
-    must be consistent, and each node ends up with its local value in meta["val"]."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = []
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            v = n.meta["val"]
-            inputs.append(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v)
-    dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
-    inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs]
-    try:
-        with mode:
-            FakeTensorProp(gm, mode).propagate(*inputs)
-    except Exception as exc:
-        raise ShardingError(f"the tensor-parallel graph is inconsistent: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc

@@ -42,7 +42,7 @@ def test_buckets_overlap_backward_and_zero1_matches():
 
 
 def test_batch_not_divisible_by_dp_is_named():
-    from fxmegatron.api import _first_microbatch
+    from fxmegatron.compiler import first_microbatch as _first_microbatch
     with pytest.raises(fxmegatron.FxMegatronError, match="which dp=3 does not divide"):
         _first_microbatch(models.batch("gpt", batch_size=8), 1, 3)
 

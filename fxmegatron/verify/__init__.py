@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxmegatron.capture import LossOnly, batch_args, capture
+from fxmegatron.compiler import assemble_local, transform_rank
 from fxmegatron.errors import VerificationError
 from fxmegatron.passes.dropout_rng import dropout_sites
 from fxmegatron.passes.recompute import apply_recompute
@@ -109,7 +110,6 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, sequence_parallel: b
     """Check the ``tp``-way layout of ``model`` on simulated ranks; see the module doc.
     Returns a report when the parallel program is exact, raises ``VerificationError``
     otherwise. ``model`` needs real weights (a tiny config of the model is enough)."""
-    from fxmegatron.api import assemble_local, transform_rank   # the compiler's own passes
     if any(p.device.type == "meta" for p in model.parameters()):
         raise VerificationError("verify runs the model: build it with real weights (a tiny config of the "
                                 "same architecture checks the same rules in seconds)")
