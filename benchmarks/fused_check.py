@@ -19,7 +19,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 import fxmegatron  # noqa: E402
 from fxmegatron.codegen.patterns import REFERENCE_CHAINS  # noqa: E402
-from fxmegatron.codegen.triton_kernel import FusedChain  # noqa: E402
+from fxmegatron.codegen.fused_chain import FusedChain  # noqa: E402
 from fxmegatron.ops.dropout import DropoutRng, counter_dropout, keep_mask  # noqa: E402
 
 CHAINS = REFERENCE_CHAINS

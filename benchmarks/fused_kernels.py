@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 from fxmegatron.codegen.patterns import REFERENCE_CHAINS  # noqa: E402
-from fxmegatron.codegen.triton_kernel import BCAST, FULL, KEY, ROW, FusedChain, tiles  # noqa: E402
+from fxmegatron.codegen.chain_source import BCAST, FULL, KEY, ROW  # noqa: E402
+from fxmegatron.codegen.fused_chain import FusedChain, tiles  # noqa: E402
 
 B, S = 8, 2048
 # (label, reference chain, output shape)

@@ -9,9 +9,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from fxmegatron.codegen.expr import gelu, lower_nodes  # noqa: E402
+from fxmegatron.codegen.expr import gelu  # noqa: E402
+from fxmegatron.codegen.lower import lower_nodes  # noqa: E402
 from fxmegatron.codegen.patterns import REFERENCE_CHAINS  # noqa: E402
-from fxmegatron.codegen.triton_kernel import FusedChain  # noqa: E402
+from fxmegatron.codegen.fused_chain import FusedChain  # noqa: E402
 
 import fxmegatron  # noqa: E402
 from tests import models  # noqa: E402
@@ -99,7 +100,7 @@ def test_each_reference_chain_at_an_odd_shape(name):
 
 def _dropout_chain(p, shard_dim=-1, start=0, global_shape=()):
     from fxmegatron.codegen.expr import dropout_chain
-    from fxmegatron.codegen.triton_kernel import FULL, KEY
+    from fxmegatron.codegen.chain_source import FULL, KEY
     return FusedChain(dropout_chain(p, 3, global_shape, shard_dim, start), [FULL, KEY])
 
 

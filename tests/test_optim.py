@@ -5,7 +5,7 @@ constructor's errors."""
 import pytest
 import torch
 
-from fxmegatron.codegen.triton_kernel import kernels_run
+from fxmegatron.codegen.where_kernels_run import kernels_run
 from fxmegatron.optim import FusedAdamW
 
 LR, WD, BETAS = 1e-2, 0.1, (0.9, 0.95)

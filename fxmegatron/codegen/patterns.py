@@ -10,9 +10,9 @@ import sympy as sp
 import torch
 import torch.nn.functional as F
 
-from fxmegatron.ops.dropout import DropoutRng, counter_dropout
+from fxmegatron.codegen.chain_source import BCAST, FULL, KEY, ROW
 from fxmegatron.codegen.expr import DropoutSite, Sigmoid, derive, gelu, rotate_half, rotate_symbol
-from fxmegatron.codegen.triton_kernel import BCAST, FULL, KEY, ROW
+from fxmegatron.ops.dropout import DropoutRng, counter_dropout
 
 x0, x1, x2, x3 = sp.symbols("x0:4", real=True)
 m0 = sp.Symbol("m0", real=True)

@@ -1,1 +1,2 @@
-"""Hand-written Triton kernels: fused vocab-parallel cross-entropy, multi-tensor tables."""
+"""Hand-written Triton kernels: fused vocab-parallel cross-entropy, AdamW's multi-tensor step,
+multi-tensor tables."""

@@ -20,6 +20,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from fxmegatron.codegen.kernel_cache import compile_source
+
 _SRC = '''
 @triton.jit
 def ce_fwd(x_ptr, t_ptr, max_ptr, sum_ptr, pick_ptr, V, stride, BV: tl.constexpr):
@@ -58,7 +60,6 @@ _BV_FWD, _BV_BWD = 2048, 1024
 
 
 def _kernels():
-    from fxmegatron.codegen.triton_kernel import compile_source
     return compile_source(_SRC, "ce_fwd"), compile_source(_SRC, "ce_bwd")
 
 

@@ -22,6 +22,7 @@ on tp, sequence parallelism or recomputation.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -29,7 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
+from fxmegatron.codegen.chain_source import FULL, KEY
+from fxmegatron.codegen.expr import dropout_chain
+from fxmegatron.codegen.fused_chain import FusedChain
+from fxmegatron.codegen.where_kernels_run import kernels_run
 from fxmegatron.placement import Placement, Shard, shard_slices
 
 _MASK = 0xFFFFFFFF
@@ -111,7 +117,11 @@ def dropout_off(key: Tensor) -> bool:
 
 
 def rng_key(rng: DropoutRng, like: Tensor) -> Tensor:
-    """Graph node at the top of the forward: this call's key, on ``like``'s device."""
+    """Graph node at the top of the forward: this call's key, on ``like``'s device. A forward
+    on fake or meta tensors (shape propagation, planning) is analysis, not a step: the
+    counter stays, so no pass has to put it back."""
+    if is_fake(like) or like.device.type == "meta":
+        return torch.zeros(2, dtype=torch.int64, device=like.device)
     return rng.next_key(like.device)
 
 
@@ -151,20 +161,15 @@ def keep_mask(key: Tensor, site: int, p: float, local_shape, global_shape, shard
     return philox_uniform(k0, k1, idx) >= torch.tensor(p, dtype=torch.float32)
 
 
-_KERNELS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _dropout_kernel(p, site, global_shape, shard_dim, slices):
     """On GPUs: the same dropout as one generated Triton kernel (``tl.randint4x``, the mask drawn
-    again in backward) instead of Philox's ~250 int64 torch ops."""
-    k = (p, site, global_shape, shard_dim, tuple(slices))
-    if k not in _KERNELS:
-        from fxmegatron.codegen.expr import dropout_chain
-        from fxmegatron.codegen.triton_kernel import FULL, KEY, FusedChain
-        start = slices[0][0] if slices else 0
-        _KERNELS[k] = FusedChain(dropout_chain(p, site, global_shape, shard_dim if slices else -1, start),
-                                 [FULL, KEY])
-    return _KERNELS[k]
+    again in backward) instead of Philox's ~250 int64 torch ops.
+
+    One per (p, site, layout), kept for the life of the process: a model has a bounded set of
+    dropout sites, and the ``FusedChain`` keeps the launch plans its calls work out."""
+    start = slices[0][0] if slices else 0
+    return FusedChain(dropout_chain(p, site, global_shape, shard_dim if slices else -1, start), [FULL, KEY])
 
 
 def counter_dropout(x: Tensor, p: float, train: bool, key: Tensor, site: int,
@@ -174,10 +179,9 @@ def counter_dropout(x: Tensor, p: float, train: bool, key: Tensor, site: int,
         return x
     if p >= 1.0:
         return x * 0.0
-    from fxmegatron.codegen.triton_kernel import kernels_run
     # GPUs only: under the CPU interpreter the torch form is faster and draws the same bits
     if kernels_run(x, interpreter=False) and len(slices) <= 1 and math.prod(global_shape) < 2 ** 32:
-        return _dropout_kernel(p, site, tuple(global_shape), shard_dim, slices).apply(x, key)
+        return _dropout_kernel(p, site, tuple(global_shape), shard_dim, tuple(slices)).apply(x, key)
     keep = keep_mask(key, site, p, x.shape, global_shape, shard_dim, slices)
     # where() keeps the 1-byte mask for backward, not a float copy of it
     return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)

@@ -36,7 +36,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
     """
     out_dtype = logits.dtype
-    from fxmegatron.codegen.triton_kernel import kernels_in_compiled_graph, kernels_run
+    from fxmegatron.codegen.where_kernels_run import kernels_in_compiled_graph, kernels_run
     # a real GPU tensor, the interpreter, or torch.compile tracing for either (the op stays a call)
     if kernels_run(logits) or kernels_in_compiled_graph(logits):
         from fxmegatron.kernels.cross_entropy import fused_vocab_cross_entropy

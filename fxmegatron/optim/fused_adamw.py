@@ -4,10 +4,10 @@ Megatron's mixed precision keeps the model's parameters in bf16 (or fp16) and th
 optimizer's state in fp32: a master copy of every parameter, the first moment ``m``
 and the second moment ``v``. A step done with stock ops goes over memory five times
 (clip the bf16 gradients, copy them into fp32 buffers, AdamW on the masters, copy
-the masters back). Here one Triton kernel reads, per element, the gradient (in the
-parameter's dtype), the master, ``m`` and ``v``; multiplies the gradient by a
-scale read from a 0-d device tensor (the clip coefficient: no host sync); does the
-AdamW update in fp32, as ``torch.optim.AdamW``::
+the masters back). Here one Triton kernel (``fxmegatron.kernels.adamw``) reads, per
+element, the gradient (in the parameter's dtype), the master, ``m`` and ``v``;
+multiplies the gradient by a scale read from a 0-d device tensor (the clip coefficient:
+no host sync); does the AdamW update in fp32, as ``torch.optim.AdamW``::
 
     g = grad * scale
     w = w * (1 - lr * wd)                                  # decoupled weight decay
@@ -22,34 +22,23 @@ Layout. Masters, ``m`` and ``v`` are each one flat fp32 buffer; parameter ``i`` 
 ``[offset_i, offset_i + numel_i)`` of each (offsets rounded up to 64 elements), and
 ``masters``/``exp_avgs``/``exp_avg_sqs`` are views of it in the parameter's shape.
 The gradients are separate tensors that autograd allocates, so the kernel is a
-multi-tensor apply: one launch for the parameters of one group and dtype, each program
-owning a chunk of ``BLOCK * ITERS`` elements of one tensor. It reads its (tensor,
-chunk start) from a table built once on the device, and the addresses of that
-tensor's gradient and parameter from a table of ``data_ptr()``\\ s cast to pointers
-in the kernel. That table is rebuilt on the host each step and copied to the device
-(from pinned memory, non-blocking) only when an address changed; the caching
-allocator usually hands the gradients the same addresses step after step. A
-parameter without a gradient has address 0 there and its programs return at once.
+multi-tensor apply: one launch for the parameters of one group and dtype, reading the
+gradients' and parameters' addresses from a table (``fxmegatron.kernels.adamw`` says how).
 
 The step count is kept per parameter on the host, as torch does (a parameter
 without a gradient keeps its state and its count), so the bias corrections and
 ``lr / (1 - b1**t)`` are computed on the host, in double, and passed as scalars; in
 the rare step where parameters have different counts they travel in the table too.
 
-Where kernels run (``fxmegatron.codegen.triton_kernel.kernels_run``): on CUDA
+Where kernels run (``fxmegatron.codegen.where_kernels_run.table_kernels_run``): on CUDA
 tensors, and on CPU ones under ``TRITON_INTERPRET=1``, with the same kernel and the
 same pointer tables (the interpreter loads through ``int64 -> pointer`` casts of CPU
 addresses). Elsewhere (CPU without the interpreter, CUDA tensors under the interpreter,
 which copies tensor arguments to the host and so cannot follow device addresses, or
 while torch.compile traces) the step runs as ``torch.optim.AdamW``'s single-tensor
 code does, with ``torch._foreach_*`` ops on the same fp32 views: CPU training works,
-and matches torch to the last bit there.
-
-Rounding: the kernel divides and takes the square root with IEEE rounding
-(``tl.div_rn``, ``tl.sqrt_rn``), as torch's CUDA kernels do. Triton's interpreter
-(3.9) truncates fp32 -> bf16 casts instead of rounding to nearest even, so under the
-interpreter the kernel rounds bf16 stores itself, with integer ops on the fp32 bits;
-on a GPU the ``.to(bfloat16)`` cast rounds to nearest even.
+and matches torch to the last bit there. The kernel's rounding matches torch's CUDA
+kernels (``fxmegatron.kernels.adamw``).
 """
 from __future__ import annotations
 
@@ -58,96 +47,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from fxmegatron.kernels.multi_tensor import chunk_tables, config, flat_offsets
-
-_SRC = '''
-@triton.jit
-def _rtne_bf16(x):
-    # fp32 -> bf16 rounded to nearest even on the fp32 bits (the interpreter truncates)
-    u = x.to(tl.uint32, bitcast=True)
-    r = u + (0x7FFF + ((u >> 16) & 1))
-    r = tl.where(x != x, 0x7FC00000, r)
-    return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _adamw_block(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, offs, foffs, n, scale, decay, beta1, omb1, beta2,
-                 omb2, step_size, bc2_sqrt, eps, MASKED: tl.constexpr, RTNE_BF16: tl.constexpr):
-    if MASKED:
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + foffs, mask=mask, other=0.0)
-        m = tl.load(m_ptr + foffs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + foffs, mask=mask, other=0.0)
-    else:
-        g = tl.load(g_ptr + offs).to(tl.float32)
-        w = tl.load(w_ptr + foffs)
-        m = tl.load(m_ptr + foffs)
-        v = tl.load(v_ptr + foffs)
-    g = g * scale
-    w = w * decay
-    m = beta1 * m + omb1 * g
-    v = beta2 * v + omb2 * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    w = w - tl.div_rn(step_size * m, denom)
-    if RTNE_BF16:
-        out = _rtne_bf16(w)
-    else:
-        out = w.to(p_ptr.dtype.element_ty)
-    if MASKED:
-        tl.store(w_ptr + foffs, w, mask=mask)
-        tl.store(m_ptr + foffs, m, mask=mask)
-        tl.store(v_ptr + foffs, v, mask=mask)
-        tl.store(p_ptr + offs, out, mask=mask)
-    else:
-        tl.store(w_ptr + foffs, w)
-        tl.store(m_ptr + foffs, m)
-        tl.store(v_ptr + foffs, v)
-        tl.store(p_ptr + offs, out)
-
-
-@triton.jit
-def adamw_multi(chunks_ptr, meta_ptr, addr_ptr, scal_ptr, scale_ptr, w_ptr, m_ptr, v_ptr, ref_ptr,
-                decay, beta1, omb1, beta2, omb2, step_size, bc2_sqrt, eps,
-                HAS_SCALE: tl.constexpr, PER_TENSOR: tl.constexpr,
-                ALIGNED: tl.constexpr, RTNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                ITERS: tl.constexpr):
-    # chunks: [C, 2] int64 (tensor, first element); meta: [T, 2] int64 (flat offset, numel);
-    # addr: [T, 2] int64 (gradient address, 0 if none; parameter address);
-    # scal: [T, 2] fp32 (lr / bc1, sqrt(bc2)) when PER_TENSOR; ref: any tensor of the parameters'
-    # dtype, whose pointer type the addresses are cast to
-    pid = tl.program_id(0)
-    t = tl.load(chunks_ptr + 2 * pid)
-    ga = tl.load(addr_ptr + 2 * t)
-    if ga != 0:
-        start = tl.load(chunks_ptr + 2 * pid + 1)
-        g_ptr = ga.to(ref_ptr.dtype)
-        p_ptr = tl.load(addr_ptr + 2 * t + 1).to(ref_ptr.dtype)
-        base = tl.load(meta_ptr + 2 * t)
-        n = tl.load(meta_ptr + 2 * t + 1)
-        if ALIGNED:   # every address 16-byte aligned, chunk starts and offsets multiples of 16
-            g_ptr = tl.multiple_of(g_ptr, 16)
-            p_ptr = tl.multiple_of(p_ptr, 16)
-            start = tl.multiple_of(start, 16)
-            base = tl.multiple_of(base, 16)
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr)
-        else:
-            scale = 1.0
-        if PER_TENSOR:
-            step_size = tl.load(scal_ptr + 2 * t)
-            bc2_sqrt = tl.load(scal_ptr + 2 * t + 1)
-        if start + BLOCK * ITERS <= n:     # a whole chunk: no masks, vector loads
-            for i in range(ITERS):
-                offs = start + i * BLOCK + tl.arange(0, BLOCK)
-                _adamw_block(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, offs, base + offs, n, scale, decay, beta1,
-                             omb1, beta2, omb2, step_size, bc2_sqrt, eps, False, RTNE_BF16)
-        else:
-            for i in range(ITERS):
-                offs = start + i * BLOCK + tl.arange(0, BLOCK)
-                _adamw_block(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, offs, base + offs, n, scale, decay, beta1,
-                             omb1, beta2, omb2, step_size, bc2_sqrt, eps, True, RTNE_BF16)
-'''
+from fxmegatron.codegen.where_kernels_run import table_kernels_run
+from fxmegatron.kernels.adamw import AdamWLaunch, adamw_kernel, step_scalars
+from fxmegatron.kernels.multi_tensor import flat_offsets
 
 
 def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
@@ -155,11 +57,6 @@ def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
     ``torch.nn.utils.clip_grad_norm_`` scales the gradients by: ``FusedAdamW.step``'s
     ``grad_scale`` for clipping inside the optimizer's pass."""
     return (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
-
-
-def _kernel():
-    from fxmegatron.codegen.triton_kernel import compile_source
-    return compile_source(_SRC, "adamw_multi")
 
 
 def _is_dtensor(t) -> bool:
@@ -176,18 +73,6 @@ def _local(t: Tensor) -> Tensor:
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class _Group:
-    """The parameters of one parameter group and one dtype: one kernel launch."""
-
-    def __init__(self, group: int, dtype: torch.dtype, members: List[int]):
-        self.group, self.dtype, self.members = group, dtype, members
-        self.chunks: Optional[Tensor] = None     # device tables, built at the first kernel step
-        self.meta: Optional[Tensor] = None
-        self.nchunks = 0
-        self.key = None                          # what the device address table holds
-        self.table: Optional[Tensor] = None
 
 
 def _check_hyper(g: dict, where: str) -> None:
@@ -307,7 +192,8 @@ class FusedAdamW(torch.optim.Optimizer):
         launches: Dict[Tuple[int, torch.dtype], List[int]] = {}
         for i, p in enumerate(self.params):
             launches.setdefault((self._group_of[i], p.dtype), []).append(i)
-        self._groups = [_Group(gi, dt, idx) for (gi, dt), idx in launches.items()]
+        self._launches = [AdamWLaunch(gi, dt, idx, [self.numels[i] for i in idx], [self.offsets[i] for i in idx])
+                          for (gi, dt), idx in launches.items()]
 
     def add_param_group(self, param_group: dict) -> None:
         if self._built:
@@ -407,12 +293,6 @@ class FusedAdamW(torch.optim.Optimizer):
                              f"{p.dtype}{list(self.shapes[i])} on {self.device}")
         return g if g.is_contiguous() else g.contiguous()
 
-    @staticmethod
-    def _hyper(g: dict, step: int) -> Tuple[float, float]:
-        """(lr / (1 - b1**step), sqrt(1 - b2**step)) for group ``g``, as torch computes them (double)."""
-        b1, b2 = g["betas"]
-        return float(g["lr"]) / (1 - b1 ** step), (1 - b2 ** step) ** 0.5
-
     @torch.no_grad()
     def step(self, grad_scale: Union[Tensor, float, Callable, None] = None,
              set_grads_to_none: Optional[bool] = None):
@@ -443,7 +323,6 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _kernels_run(self) -> bool:
         """Whether the step runs the kernel (``table_kernels_run`` on the flat buffers)."""
-        from fxmegatron.codegen.triton_kernel import table_kernels_run
         return table_kernels_run(self._w)
 
     def _torch_step(self, grads: List[Optional[Tensor]], live: List[int], grad_scale: Optional[Tensor]) -> None:
@@ -465,70 +344,23 @@ class FusedAdamW(torch.optim.Optimizer):
             torch._foreach_lerp_(m, g, 1 - b1)
             torch._foreach_mul_(v, b2)
             torch._foreach_addcmul_(v, g, g, value=1 - b2)
-            step_size, bc2_sqrt = self._hyper(grp, step)
+            step_size, bc2_sqrt = step_scalars(grp, step)
             denom = torch._foreach_sqrt(v)
             torch._foreach_div_(denom, bc2_sqrt)
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(w, m, denom, value=-step_size)
             torch._foreach_copy_([_local(self.params[i].detach()) for i in idx], w)
 
-    def _tables(self, grp: _Group) -> None:
-        """The fixed device tables of ``grp``: chunks (tensor, start) and meta (offset, numel)."""
-        grp.chunks, grp.meta, grp.nchunks = chunk_tables([self.numels[i] for i in grp.members],
-                                                         [self.offsets[i] for i in grp.members], self.device)
-
     def _kernel_step(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor]) -> None:
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):      # Triton launches on the current device
-                self._launch(grads, grad_scale)
+                self._launch_kernels(grads, grad_scale)
         else:
-            self._launch(grads, grad_scale)
+            self._launch_kernels(grads, grad_scale)
 
-    def _launch(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor]) -> None:
-        kernel = _kernel()
-        block, iters, warps = config(self.device)
-        interpret = self.device.type != "cuda"       # a CPU tensor runs the kernel only in the interpreter
-        for grp in self._groups:
-            hp = self.param_groups[grp.group]
-            lr, (b1, b2), eps, wd = float(hp["lr"]), hp["betas"], hp["eps"], hp["weight_decay"]
-            live = [i for i in grp.members if grads[i] is not None]
-            if not live:
-                continue
-            if grp.chunks is None:
-                self._tables(grp)
-            if grp.nchunks == 0:
-                continue
-            addrs: List[int] = []
-            for i in grp.members:
-                g = grads[i]
-                addrs.append(g.data_ptr() if g is not None and g.numel() else 0)
-                addrs.append(_local(self.params[i]).data_ptr())
-            counts = {self.steps[i] for i in live}
-            per_tensor = len(counts) > 1
-            if per_tensor:
-                scal = [x for i in grp.members for x in (self._hyper(hp, self.steps[i]) if grads[i] is not None
-                                                         else (0.0, 1.0))]
-                step_size, bc2_sqrt = 0.0, 1.0
-            else:
-                scal = None
-                step_size, bc2_sqrt = self._hyper(hp, counts.pop())
-            key = (tuple(addrs), None if scal is None else tuple(scal))
-            if key != grp.key:
-                t = len(grp.members)
-                cuda = self.device.type == "cuda"
-                host = torch.zeros(3 * t, dtype=torch.int64, pin_memory=cuda)
-                host[:2 * t] = torch.tensor(addrs, dtype=torch.int64)
-                if scal is not None:
-                    host[2 * t:].view(torch.float32).copy_(torch.tensor(scal, dtype=torch.float32))
-                grp.table = host.to(self.device, non_blocking=True) if cuda else host
-                grp.key = key
-            t = len(grp.members)
-            aligned = not any(a & 15 for a in addrs)
-            kernel[(grp.nchunks,)](
-                grp.chunks, grp.meta, grp.table, grp.table[2 * t:].view(torch.float32),
-                grad_scale if grad_scale is not None else self._w, self._w, self._m, self._v,
-                _local(self.params[grp.members[0]].detach()),
-                1 - lr * wd, b1, 1 - b1, b2, 1 - b2, step_size, bc2_sqrt, eps,
-                HAS_SCALE=grad_scale is not None, PER_TENSOR=per_tensor,
-                ALIGNED=aligned, RTNE_BF16=interpret and grp.dtype == torch.bfloat16,
-                BLOCK=block, ITERS=iters, num_warps=warps)
+    def _launch_kernels(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor]) -> None:
+        kernel = adamw_kernel()
+        for launch in self._launches:
+            launch.run(kernel, [grads[i] for i in launch.members], [_local(self.params[i]) for i in launch.members],
+                       [self.steps[i] for i in launch.members], self.param_groups[launch.group],
+                       (self._w, self._m, self._v), grad_scale)

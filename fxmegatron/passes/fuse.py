@@ -26,8 +26,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxmegatron.codegen.expr import ELEMENTWISE, lower_nodes, rotate_half
-from fxmegatron.codegen.triton_kernel import BCAST, FULL, KEY, ROW, FusedChain, kernels_run
+from fxmegatron.codegen.chain_source import BCAST, FULL, KEY, ROW
+from fxmegatron.codegen.expr import rotate_half
+from fxmegatron.codegen.fused_chain import FusedChain
+from fxmegatron.codegen.lower import ELEMENTWISE, lower_nodes
+from fxmegatron.codegen.where_kernels_run import kernels_run
 from fxmegatron.ops.dropout import counter_dropout, dropout_off, rng_key
 from fxmegatron.passes.outline import boundary, outline
 
