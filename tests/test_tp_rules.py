@@ -64,12 +64,12 @@ def test_padding_idx_forward_and_gradient_match_aten():
     ids = torch.tensor([[1, 5, 1, 6], [0, 1, 7, 4]])
     ref = F.embedding(ids, w, padding_idx=5)
     ref.pow(2).sum().backward()
-    grads = torch.zeros_like(w)
+    parts, outs = [], []
     for start, pad in ((0, None), (4, 1)):   # rank 1 holds rows 4..7, the padding row is its row 1
         part = w.detach()[start:start + 4].requires_grad_()
-        out = vocab_parallel_embedding(part, ids, start, pad)
-        total = out if start == 0 else total + out
-        parts = (parts if start else []) + [part]
+        outs.append(vocab_parallel_embedding(part, ids, start, pad))
+        parts.append(part)
+    total = outs[0] + outs[1]
     torch.testing.assert_close(total, ref)
     total.pow(2).sum().backward()
     grads = torch.cat([p.grad for p in parts])

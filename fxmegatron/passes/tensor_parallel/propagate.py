@@ -181,10 +181,34 @@ class State:
         become replicated (a sequence shard is gathered instead). Always restarts."""
         origins = gather_instead_of_demote(self, origins, node) - set(self.demoted)
         if not origins:
-            raise RuntimeError(f"internal: conflict at {where(node)} with no matmul to demote: {why}")
+            # no matmul to demote: the split is a parameter's, claimed by an earlier use (a
+            # per-head weight also used whole); that parameter stays replicated instead
+            params = self.split_params(node) - set(self.forced_rep)
+            if not params:
+                raise RuntimeError(f"internal: conflict at {where(node)} with no matmul to demote: {why}")
+            for pname in params:
+                self.forced_rep[pname] = (f"parameter {pname}, split by {self.claims[pname]}, reaches "
+                                          f"{where(node)}, which {why}")
+            raise Restart
         for m in origins:
             self.demoted[m] = f"its output reaches {where(node)}, which {why}"
         raise Restart
+
+    def split_params(self, node):
+        """Names of the split parameters whose shards reach ``node`` through ops that made
+        no split of their own (casts, elementwise ops of the parameter alone)."""
+        found, seen = set(), set()
+        todo = [a for a, _ in self.shard_inputs(node)]
+        while todo:
+            a = todo.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if a in self.free:
+                found.add(self.free[a][0])
+            elif not self.origin.get(a):
+                todo.extend(b for b in a.all_input_nodes if isinstance(self.base(b), Shard))
+        return found
 
     def replicate(self, a, consumer):
         """``consumer`` needs ``a`` whole: reduce a partial sum (g) or fail on a shard."""

@@ -14,17 +14,22 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import packet
-from fxmegatron.passes.tensor_parallel.rules import (  # noqa: F401  (importing registers)
+from fxmegatron.passes.tensor_parallel.rules import (
     attention, embedding, matmul, norms, opaque, pointwise, reductions, views)
 from fxmegatron.passes.tensor_parallel.rules.registry import RULES, register
 
 __all__ = ["RULES", "register", "rule_for"]
 
+# importing a rule module registers its rules
+RULE_MODULES = (attention, embedding, matmul, norms, opaque, pointwise, reductions, views)
+
 
 def rule_for(node: fx.Node):
     """The placement rule of a call_function node."""
     pk = packet(node)
-    fn = RULES.get(pk)
+    # ops outside aten (a library's custom op) are registered by qualified name, since
+    # their packet exists only once that library is imported
+    fn = RULES.get(pk) or RULES.get(getattr(pk, "_qualified_op_name", None))
     if fn is not None:
         return fn
     if isinstance(pk, torch._ops.OpOverloadPacket) and torch.Tag.pointwise in node.target.tags:

@@ -1,11 +1,12 @@
 """Matmuls: column- and row-parallel linears (Megatron 2019), however spelled
 (``linear``, ``addmm``, ``mm``, ``matmul``, ``einsum``; the weight possibly transposed),
-and matmuls of activations."""
+grouped matmuls of experts, and matmuls of activations."""
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
-from fxmegatron.passes.tensor_parallel.nodes import norm, packet, val, where
+from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val, where
 from fxmegatron.passes.tensor_parallel.plan import Decision
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
 from fxmegatron.passes.tensor_parallel.rules.registry import register
@@ -102,6 +103,29 @@ def linear(state, node, x, w, b, w_out, w_in, x_in, out_dim):
     state.plan.decisions[node] = Decision("replicated", reason)
     state.set(node, R, rule="matmul.replicated")
 
+
+
+@register(aten._grouped_mm, "transformers::grouped_mm_fallback")
+def grouped_mm(state, node):
+    """The experts of a mixture: ``grouped_mm(x [S, in], W [E, in, out], offs)`` multiplies
+    the rows of ``x`` routed to expert e (rows offs[e-1]..offs[e]) by ``W[e]``. Each row
+    meets one expert's matrix, so row by row it is a linear, and ``linear``'s column and
+    row splits hold with ``W`` split along ``out`` or ``in`` for every expert at once.
+    Precondition: ``x`` 2-D, ``W`` a 3-D parameter (a transpose of it included), ``offs``
+    given and, for ``aten._grouped_mm``, no bias and no output dtype; ``offs`` is made
+    whole. Otherwise (2-D or 3-D ``x`` against a 2-D weight: groups along the contraction
+    or batched) replicated with the reason."""
+    x, w = node.args[0], node.args[1]
+    offs = arg(node, 2, "offs")
+    if (val(x) is None or val(x).ndim != 2 or w not in state.free or val(w) is None or val(w).ndim != 3
+            or not isinstance(offs, fx.Node) or arg(node, 3, "bias") is not None
+            or arg(node, 4, "out_dtype") is not None):
+        why = ("is a grouped matmul other than the rows of a 2-D input by the 3-D expert weight parameter "
+               "they are routed to, by offsets, without bias")
+        state.plan.decisions[node] = Decision("replicated", why)
+        return replicate_all(state, node, why)
+    state.replicate(offs, node)
+    linear(state, node, x, w, None, 2, 1, 1, 1)
 
 def activation_matmul(state, node, x, w):
     """A matmul of two activations (attention scores, ...). Precondition: both whole, or

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import is_tensor_node, packet, val, where
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
@@ -12,7 +13,7 @@ from fxmegatron.placement import Partial, R, Shard
 aten = torch.ops.aten
 
 # elementwise, but not tagged pointwise in ATen
-_ELEMENTWISE_EXTRA = (aten.dropout, aten.to, aten._to_copy, aten.type_as, aten.masked_fill, aten.where,
+_ELEMENTWISE_EXTRA = (aten.dropout, aten.type_as, aten.masked_fill, aten.where,
                       aten.alias, aten.clone, aten.contiguous, aten.detach, aten.lift_fresh_copy, aten.gelu,
                       aten.silu, aten.native_dropout)
 # copies through which a partial sum stays a partial sum
@@ -81,3 +82,19 @@ def pointwise(state, node):
         else:
             state.demote(origins, node, f"combines it with the replicated activation {a.name}")
     state.set(node, Shard(d, blocks), origins)
+
+
+@register(aten.to, aten._to_copy)
+def cast(state, node):
+    """A dtype or device cast. Of a parameter no rule has claimed yet (a norm weight cast
+    to the activations' dtype, as Cohere's per-head q/k LayerNorm does): the cast stays
+    free, with the parameter's dim map, so that its consumer claims the parameter's layout
+    through it, as it would on the parameter itself (casting rank r's shard gives the
+    shard of the cast). Precondition: the input is such an unclaimed parameter and the
+    output has its shape; otherwise an ordinary elementwise op (``pointwise``)."""
+    x = node.args[0] if node.args else node.kwargs.get("self")
+    if (isinstance(x, fx.Node) and x in state.free and state.get(x) is None
+            and isinstance(val(node), torch.Tensor) and val(node).shape == val(x).shape):
+        state.free[node] = state.free[x]
+        return
+    pointwise(state, node)

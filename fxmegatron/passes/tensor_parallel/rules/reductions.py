@@ -1,4 +1,4 @@
-"""Ops along one dim: softmax, sum/mean/amax/amin, slice/select, cat."""
+"""Ops along one dim: softmax, sum/mean/amax/amin, slice/select, cat, stack."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +6,7 @@ import torch
 from fxmegatron.passes.tensor_parallel.nodes import norm, val
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
 from fxmegatron.passes.tensor_parallel.rules.registry import register
-from fxmegatron.placement import R, Replicate, Shard
+from fxmegatron.placement import Partial, R, Replicate, Shard
 
 aten = torch.ops.aten
 
@@ -39,7 +39,9 @@ def softmax(state, node):
 @register(aten.sum, aten.mean, aten.amax, aten.amin)
 def reduce(state, node):
     """Precondition: the split dim is not reduced (the split moves left past reduced dims
-    unless keepdim); otherwise the split's matmuls are demoted."""
+    unless keepdim); otherwise the split's matmuls are demoted: the reduction needs every
+    rank's part (a norm over all heads of q, as OLMo2's, needs all of them), so it runs
+    whole."""
     s = _split_input(state, node)
     if s is None:
         return
@@ -49,7 +51,8 @@ def reduce(state, node):
     dims = [norm(i, nd) for i in dims]
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if d in dims:
-        state.demote(origins, node, "reduces over the split dim")
+        state.demote(origins, node, "reduces over the split dim (it needs the values of every rank, e.g. a norm "
+                                    "over all heads): it runs on the whole tensor")
     e = d if keep else d - sum(1 for i in dims if i < d)
     state.set(node, Shard(e, p.blocks), origins)
 
@@ -112,4 +115,31 @@ def cat(state, node):
         return state.set(node, ps[0], origins)
     if origins:
         state.demote(origins, node, "concatenates differently split inputs or along the split dim")
+    replicate_all(state, node, "")
+
+
+@register(aten.stack)
+def stack(state, node):
+    """Stacks equal-shaped inputs along a new dim (the interleaved rotary's
+    ``stack([-x2, x1], -1)`` on q/k split by heads). Precondition: all inputs whole, or
+    all split along the same dim without fused blocks; the split then moves one dim right
+    when the new dim comes before it. Partial sums are reduced first (g). Otherwise
+    (inputs split along different dims, split inputs next to whole ones) the splits'
+    matmuls are demoted."""
+    tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    nd = val(node).ndim
+    dim = norm(dim, nd)
+    for a in tensors:
+        if isinstance(state.get(a), Partial):
+            state.replicate(a, node)
+    ps = [state.get(a) for a in tensors]
+    if all(isinstance(p, Replicate) for p in ps):
+        return state.set(node, R)
+    origins = set().union(*(state.orig(a) for a in tensors))
+    if all(isinstance(p, Shard) for p in ps) and len({(norm(p.dim, nd - 1), p.blocks) for p in ps}) == 1 \
+            and ps[0].blocks is None:
+        d = norm(ps[0].dim, nd - 1)
+        return state.set(node, Shard(d + 1 if d >= dim else d), origins)
+    if origins:
+        state.demote(origins, node, "stacks differently split inputs")
     replicate_all(state, node, "")

@@ -1,4 +1,4 @@
-"""Views and layout ops: view/reshape, transpose/permute/unsqueeze/squeeze/expand,
+"""Views and layout ops: view/reshape, flatten, transpose/permute/unsqueeze/squeeze/expand,
 split/chunk, and getitem of their tuple results."""
 from __future__ import annotations
 
@@ -104,6 +104,46 @@ def view(state, node):
         return state.set(node, Shard(e, p.blocks), origins)
     raise RuntimeError(f"internal: view dims not matched at {where(node)}")
 
+
+
+@register(aten.flatten)
+def flatten(state, node):
+    """``flatten(x, start, end)`` merges dims start..end into one; it has no sizes to
+    rewrite. A split dim outside them moves left with the merge. Inside them, the
+    precondition is ``view``'s: the split dim is the first non-unit dim merged and is
+    not made of fused blocks that the merge regroups (each rank's piece of the merged dim
+    is then one contiguous block of it). Failing: a sequence shard is gathered first,
+    another split demotes its matmuls. A partial sum stays partial (with its deferred
+    bias while the last dim is kept). Overloads other than ``using_ints`` run replicated."""
+    if node.target is not aten.flatten.using_ints:
+        return replicate_all(state, node, f"is {node.target}, not flatten.using_ints")
+    x = node.args[0]
+    p = state.get(x)
+    if p is None:
+        return replicate_all(state, node, "")
+    if isinstance(p, Partial):
+        return state.set(node, p if state.carry_bias(x, node) else R)
+    if not isinstance(p, Shard):
+        return state.set(node, p)
+    ins = list(val(x).shape)
+    nd = len(ins)
+    start = norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0), nd)
+    end = norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1), nd)
+    d = norm(p.dim, nd)
+    origins = state.orig(x)
+    if d < start:
+        return state.set(node, p, origins)
+    if d > end:
+        return state.set(node, Shard(d - (end - start), p.blocks), origins)
+    big = [i for i in range(start, end + 1) if ins[i] != 1]
+    if len(big) > 1 and SEQ in origins:
+        gather(state, x, node)      # e.g. [b, s, h] -> [b*s, h]: gather the sequence first
+        return state.set(node, R)
+    if big[0] != d:
+        state.demote(origins, node, f"merges split dim {d} of {ins} into a later position")
+    if len(big) > 1 and p.blocks is not None:
+        state.demote(origins, node, "flattens a dim made of fused blocks")
+    state.set(node, Shard(start, p.blocks), origins)
 
 def permutation(node, nd):
     """For an op that only reorders dims: out dim i is in dim perm[i] (None otherwise)."""
