@@ -1,6 +1,7 @@
 """``fxmegatron`` command line.
 
     fxmegatron verify --factory FILE.py:FUNCTION --tp 2,4 [--sequence-parallel both] [--recompute full]
+                      [--pp 1,2 --virtual-stages 2 --microbatches 4 --dp 2]
     fxmegatron compile --factory FILE.py:FUNCTION --pp 2 --tp 2 --microbatches 4 --out FOLDER
     torchrun --nproc_per_node 4 -m fxmegatron.launch FOLDER --data text.txt --steps 100
 
@@ -8,10 +9,12 @@
 with data parallelism, of one data-parallel rank times dp), then runs ``parallelize``
 on pp*tp local gloo processes on CPU and writes each rank's stage modules (Python
 source) and weights (safetensors) to FOLDER: see ``fxmegatron.io.stage_folder``.
-``verify`` runs every tensor-parallel rank of each layout in this process on simulated
-ranks and compares the loss and every gradient with the model run in eager, on a fresh
-batch: it prints a report per layout, or names the first node that differs and the rule
-that placed it (exit status 1). Give it a tiny config of the model: it takes seconds.
+``verify`` runs every rank of each layout (each pp size times each tp size; the example
+batch is the global batch, split over dp and into microbatches) in this process on
+simulated ranks and compares the loss and every gradient with the model run in eager, on
+a fresh batch: it prints a report per layout, or names the first node that differs and
+the rule that placed it, or the pipeline chunk and parameter (exit status 1). Give it a
+tiny config of the model: it takes seconds.
 ``schedule`` draws a pipeline schedule (``python -m fxmegatron.schedules.draw``).
 """
 from __future__ import annotations
@@ -97,6 +100,11 @@ def verify_main(argv):
                                  description="check parallel layouts against the model on simulated ranks")
     ap.add_argument("--factory", required=True, help="FILE.py:FUNCTION returning (model, example_batch)")
     ap.add_argument("--tp", default="2", help="tensor-parallel sizes, comma-separated (default 2)")
+    ap.add_argument("--pp", default="1", help="pipeline sizes, comma-separated (default 1)")
+    ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline chunks per pipeline rank")
+    ap.add_argument("--microbatches", type=int, default=1, help="microbatches per step")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (the example batch is the global one)")
+    ap.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"])
     ap.add_argument("--sequence-parallel", default="off", choices=["off", "on", "both"])
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     ap.add_argument("--seed", type=int, default=0)
@@ -106,20 +114,23 @@ def verify_main(argv):
     import torch
 
     from fxmegatron.errors import FxMegatronError
-    from fxmegatron.verify import verify
+    from fxmegatron.verify import Layout, layout_name, verify
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     model, batch = load_factory(args.factory)()
     sps = {"off": [False], "on": [True], "both": [False, True]}[args.sequence_parallel]
     failed = 0
-    for tp in [int(t) for t in args.tp.split(",")]:
-        for sp in sps:
-            try:
-                print(verify(copy.deepcopy(model), batch, tp=tp, sequence_parallel=sp, recompute=args.recompute,
-                             seed=args.seed), flush=True)
-            except FxMegatronError as exc:
-                failed += 1
-                print(f"FAILED tp={tp}{' sp' if sp else ''}: {type(exc).__name__}: {exc}", flush=True)
+    for pp in [int(p) for p in args.pp.split(",")]:
+        for tp in [int(t) for t in args.tp.split(",")]:
+            for sp in sps:
+                lay = Layout(tp, pp, args.virtual_stages, args.microbatches, args.dp, sp, args.recompute)
+                try:
+                    print(verify(copy.deepcopy(model), batch, tp=tp, pp=pp, virtual_stages=args.virtual_stages,
+                                 microbatches=args.microbatches, dp=args.dp, schedule=args.schedule,
+                                 sequence_parallel=sp, recompute=args.recompute, seed=args.seed), flush=True)
+                except FxMegatronError as exc:
+                    failed += 1
+                    print(f"FAILED {layout_name(lay)}: {type(exc).__name__}: {exc}", flush=True)
     return 1 if failed else 0
 
 

@@ -1,42 +1,58 @@
 """Translation validation: the parallel program computes what the model computes, or an
 error names where it does not.
 
-``verify(model, example_batch, tp=2, sequence_parallel=True)`` captures the model,
-builds the program of *every* tensor-parallel rank with the same passes
-``parallelize`` runs, and runs all of them in this process on simulated ranks
-(``simulate.py``), on a fresh batch unlike the example (other ids, the example's
-masked labels kept). It compares
+``verify(model, example_batch, tp=2, pp=2, virtual_stages=2, microbatches=4, dp=2,
+sequence_parallel=True)`` captures the model (at microbatch size, as ``parallelize``
+does), builds the program of *every* tensor-parallel rank of every data-parallel replica
+with the same passes ``parallelize`` runs, cut into pipeline chunks and materialised per
+pipeline rank as ``parallelize`` cuts and materialises them (``pipeline.py``), and runs
+all of them in this process on simulated ranks (``simulate.py``), on a fresh batch unlike
+the example (other ids, the example's masked labels kept), split over the replicas and
+into microbatches as ``train_step`` splits it. It compares
 
 1. the captured graph with the model run in eager (capture is faithful),
-2. the ranks' loss with the model's (``loss_rtol``) and each parameter's gradient,
-   reassembled from the ranks' shards, with the model's (``grad_rtol``),
+2. the step's loss (microbatch losses weighted by their tokens, averaged over replicas)
+   with the model's on the whole batch (``loss_rtol``), and each parameter's gradient,
+   accumulated over chunks and microbatches, averaged over replicas, summed over the
+   pipeline ranks that share it and reassembled from the tp shards, with the model's
+   (``grad_rtol``), on every pipeline rank that holds it,
 
-and, on a difference, reassembles every node's value from the ranks by its
-placement and raises ``VerificationError`` naming the first node that differs from
-the original graph's, its op, module path and the placement rule that placed it.
-Where forward values all agree and a gradient differs, it names the parameter and
-the nodes that use it. Models with dropout are compared with dropout off (eval-mode
-keys); the masks themselves are keyed by element index and cannot depend on tp.
+and, on a difference, reassembles every node's value on the first microbatch from the
+tp ranks by its placement and raises ``VerificationError`` naming the first node that
+differs from the original graph's, its op, module path, the placement rule that placed
+it and its pipeline chunk. Where forward values all agree, it names the microbatch whose
+loss differs, or the loss weighting, or the parameter whose gradient differs, the chunks
+and pipeline ranks that hold it and the nodes that use it (and, when gradients are
+wrong only up to some chunk, that chunk's boundary). The pipeline schedule itself is
+checked by ``schedules.simulate``. Models with dropout are compared with dropout off
+(eval-mode keys); the masks themselves are keyed by element index and cannot depend on
+the layout.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxmegatron.capture import LossOnly, batch_args, capture
-from fxmegatron.compiler import assemble_local, transform_rank
+from fxmegatron.compiler import first_microbatch
 from fxmegatron.errors import VerificationError
 from fxmegatron.passes.dropout_rng import dropout_sites
-from fxmegatron.passes.recompute import apply_recompute
-from fxmegatron.passes.tp_coverage import Coverage, coverage
+from fxmegatron.passes.tp_coverage import Coverage
 from fxmegatron.placement import R, Replicate, join_shards
+from fxmegatron.schedules import ScheduleError, make_schedule
+from fxmegatron.schedules.simulate import simulate as simulate_schedule
 from fxmegatron.verify.compare import describe_users, first_divergence, rel_err
-from fxmegatron.verify.simulate import Recorder, forward_backward, run_ranks
+from fxmegatron.verify.pipeline import (Layout, average_over_replicas, boundary_diagnosis, build_program,
+                                        chunk_of_node, holders, replica_weights, run_step, step_microbatches,
+                                        sum_shared_grads)
+from fxmegatron.verify.simulate import Recorder, run_ranks
 
 aten = torch.ops.aten
 
@@ -51,11 +67,15 @@ class VerifyReport:
     nodes: int
     seconds: float
     coverage: Coverage
+    chunks: int = 1             # pipeline chunks per tp rank's program (pp·v)
+    schedule: str = ""          # the pipeline schedule's check, when there is a pipeline
 
     def __str__(self):
+        split = f" in {self.chunks} chunks" if self.chunks > 1 else ""
+        sched = f"; {self.schedule}" if self.schedule else ""
         return (f"verify {self.layout}: exact (loss {self.loss:.6f} vs {self.loss_ref:.6f}; largest gradient "
-                f"difference {self.max_grad_err:.1e} at {self.worst_param}; {self.nodes} nodes per rank; "
-                f"{self.seconds:.1f} s)\n{self.coverage.summary()}")
+                f"difference {self.max_grad_err:.1e} at {self.worst_param}; {self.nodes} nodes per rank{split}"
+                f"{sched}; {self.seconds:.1f} s)\n{self.coverage.summary()}")
 
 
 def fresh_batch(example, seed: int = 1):
@@ -104,24 +124,39 @@ def _without_dropout(gm):
     return gm
 
 
-def verify(model: nn.Module, example_batch, *, tp: int = 2, sequence_parallel: bool = False,
-           recompute="none", batch=None, seed: int = 0, loss_rtol: float = 1e-5,
-           grad_rtol: float = 1e-4) -> VerifyReport:
-    """Check the ``tp``-way layout of ``model`` on simulated ranks; see the module doc.
-    Returns a report when the parallel program is exact, raises ``VerificationError``
-    otherwise. ``model`` needs real weights (a tiny config of the model is enough)."""
+def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual_stages: int = 1,
+           microbatches: int = 1, dp: int = 1, sequence_parallel: bool = False, recompute="none",
+           schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None, batch=None,
+           seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4) -> VerifyReport:
+    """Check the layout dp × pp (``virtual_stages`` chunks per rank, ``microbatches`` per
+    step) × ``tp`` of ``model`` on simulated ranks; see the module doc. ``example_batch``
+    is the global batch of one step, as for ``parallelize``. Returns a report when the
+    parallel program is exact, raises ``VerificationError`` otherwise. ``model`` needs
+    real weights (a tiny config of the model is enough)."""
     if any(p.device.type == "meta" for p in model.parameters()):
         raise VerificationError("verify runs the model: build it with real weights (a tiny config of the "
                                 "same architecture checks the same rules in seconds)")
     t0 = time.perf_counter()
-    layout = f"tp={tp}" + (" sp" if sequence_parallel else "") + (f" recompute={recompute}" if recompute != "none" else "")
+    lay = Layout(tp, pp, virtual_stages, microbatches, dp, sequence_parallel, recompute, blocks_per_chunk)
+    sched_note = ""
+    if lay.pipelined:   # the schedule parallelize would run: its order is checked by the simulator
+        sched = make_schedule(schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), pp, virtual_stages,
+                              microbatches)
+        sim = simulate_schedule(sched)
+        sched_note = f"schedule {sched.name} checked (bubble {max(sim.bubble_fraction):.0%})"
+    elif schedule not in (None, "gpipe", "1f1b"):
+        raise ScheduleError(f"schedule={schedule!r} needs a pipeline (pp > 1 or virtual_stages > 1)")
+    layout = layout_name(lay)
     batch = fresh_batch(example_batch, seed + 1) if batch is None else batch
     ref_model = copy.deepcopy(model)
-    cap = capture(model, example_batch)
+    # traced at microbatch size, as parallelize traces it
+    cap = capture(model, first_microbatch(example_batch, microbatches, dp))
     dropout = bool(dropout_sites(cap.gm))
     if dropout:
         ref_model.eval()
-    inputs = pytree.tree_leaves(batch_args(batch))
+    flat, spec = pytree.tree_flatten(batch_args(batch))
+    names = list(cap.input_names) if len(cap.input_names) == len(flat) else [f"input {i}" for i in range(len(flat))]
+    micro = step_microbatches(flat, lay, names)
     args, kwargs = batch_args(batch)
     loss_eager = LossOnly(ref_model)(*args, **kwargs)
     loss_eager.backward()
@@ -132,69 +167,124 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, sequence_parallel: b
         _without_dropout(ref_gm)
     rec = Recorder(ref_gm)
     with torch.no_grad():
-        loss_graph = rec.run(*inputs)[0]
-    if rel_err(loss_graph, loss_eager.detach()) > loss_rtol:
+        loss_graph = rec.run(*micro[0][0])[0]
+        if microbatches * dp == 1:
+            loss_model = loss_eager.detach()
+        else:
+            a, kw = pytree.tree_unflatten(micro[0][0], spec)
+            loss_model = LossOnly(ref_model)(*a, **kw)
+    if rel_err(loss_graph, loss_model) > loss_rtol:
         raise VerificationError(
             f"capture: the captured graph of {type(model).__name__} computes loss {loss_graph.item():.6f} on a "
-            f"fresh batch where the model computes {loss_eager.item():.6f}: the graph does not read the batch "
+            f"fresh batch where the model computes {loss_model.item():.6f}: the graph does not read the batch "
             "as the model does (check the example batch: inputs that alias each other, inputs the model "
             "ignores, Python values that are constants in the graph)")
 
-    graphs = [copy.deepcopy(cap.gm) for _ in range(tp)]
-    plans, cov = [None] * tp, []
+    programs = [[None] * tp for _ in range(dp)]
 
-    def rank_body(rank: int, group_name: str):
-        gm = graphs[rank]
-        plans[rank] = transform_rank(gm, cap, tp, rank, group_name, sequence_parallel, seed)
-        if rank == 0:   # as parallelize does: after the rewrite, before shapes become local
-            cov.append(coverage(gm, plans[0], cap.params))
-        local = assemble_local(gm, cap, plans[rank], rank, tp, "cpu", None, seed)
-        apply_recompute(local, recompute)
-        if dropout:
-            local.eval()
-        graphs[rank] = local
-        return forward_backward(local, inputs)
+    def rank_body(d: int, rank: int, group_name: str):
+        prog = build_program(cap, lay, rank, group_name, d, seed, dropout, d == 0 and rank == 0)
+        programs[d][rank] = prog
+        # the counts of every replica's microbatches: what the all-reduce over dp adds up
+        counts = None if prog.counter is None else [[prog.counter(mb) for mb in rep] for rep in micro]
+        weights = replica_weights(counts, d, dp, microbatches)
+        out = run_step(prog, micro[d], weights, record=d == 0)
+        out["weights"] = weights
+        return out
 
-    results = run_ranks(tp, rank_body)
-    plan = plans[0]
+    # the replicas one after the other, each with its own simulated tp group
+    results = [run_ranks(tp, functools.partial(rank_body, d)) for d in range(dp)]
+    prog0 = programs[0][0]
+    plan = prog0.plan
 
-    losses = [r["loss"] for r in results]
-    loss = losses[0]
-    bad_loss = rel_err(loss, loss_eager.detach()) > loss_rtol or any(rel_err(x, loss) > loss_rtol for x in losses)
+    replica_loss = [r[0]["loss"] for r in results]
+    loss = sum(replica_loss[1:], replica_loss[0]) / dp
+    bad_loss = rel_err(loss, loss_eager.detach()) > loss_rtol or any(
+        rel_err(x["loss"], r[0]["loss"]) > loss_rtol for r in results for x in r)
+    # per tp rank, per pipeline rank: the gradients after GradSync and the shared-weight sum
+    final = []
+    for t in range(tp):
+        g = average_over_replicas([results[d][t]["grads"] for d in range(dp)], programs[0][t].params)
+        if pp > 1:
+            sum_shared_grads(g, programs[0][t].shared)
+        final.append(g)
     grad_errs, bad_grads = {}, []
     floor = 0.01 * max((g.abs().max().item() for g in eager_grads.values()), default=0.0)
     for name, ref in eager_grads.items():
         canon = cap.aliases.get(name, name)
         plc = plan.param_plc.get(canon, R)
-        shards = [r["grads"].get(canon) for r in results]
-        if any(s is None for s in shards):
-            grad_errs[name] = float("inf")
-            bad_grads.append((name, "no gradient reached it on some rank"))
-            continue
-        if isinstance(plc, Replicate):
-            spread = max(rel_err(s, shards[0], floor) for s in shards)
-            if spread > grad_rtol:
-                bad_grads.append((name, f"replicated, but its gradient differs between ranks by {spread:.2e}"))
-        whole = shards[0] if isinstance(plc, Replicate) else join_shards(shards, plc)
-        grad_errs[name] = rel_err(whole, ref, floor)
-        if grad_errs[name] > grad_rtol:
-            bad_grads.append((name, f"gradient differs by {grad_errs[name]:.2e} (relative; tolerance {grad_rtol:g})"))
+        held = [r for r in range(pp) if canon in prog0.params[r]] or [0]
+        grad_errs[name] = 0.0
+        for r in held:
+            at = f" on pp rank {r}" if pp > 1 else ""
+            shards = [final[t][r].get(canon) for t in range(tp)]
+            if any(s is None for s in shards):
+                grad_errs[name] = float("inf")
+                bad_grads.append((name, f"no gradient reached it on some rank{at}"))
+                break
+            if isinstance(plc, Replicate):
+                spread = max(rel_err(s, shards[0], floor) for s in shards)
+                if spread > grad_rtol:
+                    bad_grads.append((name, f"replicated, but its gradient differs between tp ranks{at} by "
+                                            f"{spread:.2e}"))
+            whole = shards[0] if isinstance(plc, Replicate) else join_shards(shards, plc)
+            err = rel_err(whole, ref, floor)
+            grad_errs[name] = max(grad_errs[name], err)
+            if err > grad_rtol:
+                bad_grads.append((name, f"gradient{at} differs by {err:.2e} (relative; tolerance {grad_rtol:g})"))
+                break
     if bad_loss or bad_grads:
-        div = first_divergence(ref_gm.graph, rec.values, graphs[0].graph, [r["values"] for r in results],
-                               max(loss_rtol, 1e-4))
         head = (f"verify {layout} of {type(model).__name__}: the parallel program differs from the model "
-                f"(loss {loss.item():.6f} on rank 0, the model's {loss_eager.item():.6f})")
+                f"(loss {loss.item():.6f}, the model's {loss_eager.item():.6f})")
+        div = first_divergence(ref_gm.graph, rec.values, prog0.local.graph, [r["values"] for r in results[0]],
+                               max(loss_rtol, 1e-4))
         if div is not None:
-            raise VerificationError(f"{head}; first divergent {div}")
-        name, why = bad_grads[0] if bad_grads else ("", "")
+            c = chunk_of_node(prog0).get(div.node)
+            where = [f"chunk {c} on pp rank {c % pp}"] if c is not None else []
+            if microbatches * dp > 1:
+                where.append("microbatch 0 of dp replica 0")
+            where = f" ({'; '.join(where)})" if where else ""
+            raise VerificationError(f"{head}; first divergent {div}{where}")
+        if bad_loss:
+            raise VerificationError(f"{head}; {_loss_diagnosis(ref_gm, micro, results, loss_rtol)}")
+        name, why = bad_grads[0]
         canon = cap.aliases.get(name, name)
+        where = holders(prog0, canon)
         raise VerificationError(f"{head}; every forward value agrees, but parameter {name} "
-                                f"(placed {plan.param_plc.get(canon, R)}): {why}; it is used by "
-                                f"{describe_users(graphs[0].graph, canon)}")
+                                f"(placed {plan.param_plc.get(canon, R)}{', ' + where if where else ''}): {why}; "
+                                f"it is used by {describe_users(prog0.local.graph, canon)}"
+                                f"{boundary_diagnosis(prog0, [cap.aliases.get(n, n) for n, _ in bad_grads])}")
     worst = max(grad_errs, key=grad_errs.get) if grad_errs else ""
-    nodes = sum(1 for _ in graphs[0].graph.nodes)
+    nodes = sum(1 for _ in prog0.local.graph.nodes)
     return VerifyReport(layout, loss.item(), loss_eager.item(), grad_errs.get(worst, 0.0), worst, nodes,
-                        time.perf_counter() - t0, cov[0])
+                        time.perf_counter() - t0, prog0.coverage, len(prog0.modules), sched_note)
 
 
-__all__ = ["verify", "VerifyReport", "fresh_batch"]
+def layout_name(lay: Layout) -> str:
+    parts = [f"tp={lay.tp}"]
+    parts += [f"{k}={v}" for k, v in (("pp", lay.pp), ("v", lay.v), ("m", lay.m), ("dp", lay.dp)) if v > 1]
+    if lay.sequence_parallel:
+        parts.append("sp")
+    if lay.recompute != "none":
+        parts.append(f"recompute={lay.recompute}")
+    return " ".join(parts)
+
+
+def _loss_diagnosis(ref_gm, micro, results, rtol: float) -> str:
+    """Which microbatch's loss differs from the model graph's on it, or, when none does, that
+    the weighting of the microbatch losses into the step's loss is what is wrong."""
+    with torch.no_grad():
+        for d, rep in enumerate(micro):
+            for i, mb in enumerate(rep):
+                want = ref_gm(*mb)[0]
+                got = results[d][0]["losses"][i]
+                if rel_err(got, want) > rtol:
+                    return (f"the loss of microbatch {i} of dp replica {d} is {got.item():.6f} where the captured "
+                            f"graph computes {want.item():.6f} on it")
+    weights = [[round(w, 4) for w in r[0]["weights"]] for r in results]
+    return ("every microbatch's loss agrees with the model's on that microbatch, but their weighted sum over the "
+            f"step (weights by dp replica {weights}, then the mean over replicas) is not the batch's loss: the "
+            "microbatch loss weighting is wrong")
+
+
+__all__ = ["verify", "VerifyReport", "Layout", "layout_name", "fresh_batch"]

@@ -11,7 +11,7 @@ comparison (``compare.py``).
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List
 
 import torch
 import torch.fx as fx
@@ -69,13 +69,3 @@ def run_ranks(size: int, body: Callable[[int, str], object]) -> List[object]:
         raise errors[0]
     return results
 
-
-def forward_backward(gm: fx.GraphModule, inputs: Sequence) -> Dict[str, object]:
-    """One rank's step: recorded forward, backward of the loss (the graph's first output);
-    returns {"loss", "values", "grads" (parameter name -> gradient of the local shard)}."""
-    rec = Recorder(gm)
-    out = rec.run(*inputs)
-    loss = out[0] if isinstance(out, (tuple, list)) else out
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in gm.named_parameters() if p.grad is not None}
-    return {"loss": loss.detach().clone(), "values": rec.values, "grads": grads}
