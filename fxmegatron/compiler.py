@@ -1,37 +1,154 @@
-"""The compiler's rank-level steps between capture and the runtime: the graph passes that make
-one tensor-parallel rank's graph, and its materialisation with local shards."""
+"""The compiler: a model and a layout in, one rank's ``RankProgram`` out.
+
+``compile_program`` is the whole flow, one direction: capture, the graph passes (a flat
+list run by ``passes.runner.PassRunner``), the pipeline split, and one materialisation of
+this rank's shards at the end. Until then the rank's graph holds meta tensors of the local
+shapes, so every pass sees consistent shapes and nothing is allocated.
+"""
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import time
+from typing import List, Mapping, Optional
 
-import torch
 import torch.fx as fx
+import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxmegatron.capture import Captured, retarget_device
-from fxmegatron.errors import ShardingError
+from fxmegatron.capture import Captured, capture
+from fxmegatron.config import ParallelConfig
+from fxmegatron.errors import ScheduleError, ShardingError
+from fxmegatron.mesh import Axis
 from fxmegatron.passes.dropout_rng import apply_counter_rng
+from fxmegatron.passes.fuse import apply_fuse
+from fxmegatron.passes.overlap_tp import apply_tp_overlap
+from fxmegatron.passes.pipeline_split import split_pipeline
+from fxmegatron.passes.recompute import apply_recompute
+from fxmegatron.passes.runner import Pass, PassRunner, check_shapes
 from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
+from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
-from fxmegatron.placement import R
-from fxmegatron.runtime.materialize import local_parameter
-from fxmegatron.runtime.stages import split_batch
-from fxmegatron.schedules import ScheduleError
+from fxmegatron.program import PipelineProgram, RankProgram
+from fxmegatron.runtime.materialize import materialize_graph
+from fxmegatron.runtime.stages import boundary_specs, build_stage, split_batch, token_counter
+from fxmegatron.runtime.torch_compile import compile_graph
+
+PLAN, COVERAGE = "fxmegatron/tp_plan", "fxmegatron/tp_coverage"   # keys in GraphModule.meta
+# data-parallel replicas see different samples: their dropout masks must differ too
+DP_SEED_STRIDE = 0x9E3779B1
+
+
+def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_parallel: bool,
+              seed: int, dp_rank: int = 0) -> List[Pass]:
+    """The passes that make one tensor-parallel rank's graph from the captured one: placement
+    planning and the rewrite with f/g and sequence collectives on ``group_name`` (the plan
+    and its coverage land in ``gm.meta``), and counter-based dropout."""
+    def tensor_parallel(gm):
+        plan = plan_tensor_parallel(gm, tp, cap.params.keys(), sequence_parallel)
+        apply_tensor_parallel(gm, plan, tp_rank, group_name)
+        gm.meta[PLAN] = plan
+        gm.meta[COVERAGE] = coverage(gm, plan, cap.params)   # before shapes become local
+        return gm
+
+    passes = [Pass("tensor_parallel", tensor_parallel, ensures={"tp_rewritten"})]
+    if tp == 1:
+        passes.append(Pass("drop_trivial_collectives", drop_trivial_collectives, requires={"tp_rewritten"}))
+    passes.append(Pass("counter_rng", lambda gm: apply_counter_rng(gm, tp_rank, tp, seed + DP_SEED_STRIDE * dp_rank),
+                       requires={"tp_rewritten"}))
+    return passes
+
 
 def transform_rank(gm: fx.GraphModule, cap: Captured, tp: int, tp_rank: int, group_name: str,
                    sequence_parallel: bool, seed: int, dp_rank: int = 0) -> TPPlan:
-    """The graph passes that make one tensor-parallel rank's graph from the captured one, in
-    place: placement planning, the rewrite with f/g and sequence collectives on
-    ``group_name``, and counter-based dropout. Returns the plan."""
-    plan = plan_tensor_parallel(gm, tp, cap.params.keys(), sequence_parallel)
-    apply_tensor_parallel(gm, plan, tp_rank, group_name)
-    if tp == 1:
-        drop_trivial_collectives(gm)
-    # data-parallel replicas see different samples: their dropout masks must differ too
-    apply_counter_rng(gm, tp_rank, tp, seed + 0x9E3779B1 * dp_rank)
-    return plan
+    """``tp_passes`` on ``gm``, in place; returns the plan."""
+    gm = PassRunner(tp_passes(cap, tp, tp_rank, group_name, sequence_parallel, seed, dp_rank))(gm)
+    return gm.meta[PLAN]
+
+
+def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, world: int, device,
+                   state_dict: Optional[Mapping] = None, seed: int = 0) -> fx.GraphModule:
+    """The rank's GraphModule: its parameter shards, buffers and submodules, on ``device``."""
+    local = materialize_graph(gm, cap, plan.param_plc, rank, world, device, state_dict, seed, source=gm)
+    local.meta.update(gm.meta)
+    return local
+
+
+def check_local_shapes(gm: fx.GraphModule, cap: Optional[Captured] = None) -> fx.GraphModule:
+    """Propagate fake tensors with the local shards: shapes of the rewritten graph must be
+    consistent, and each node ends up with its local value in meta["val"]."""
+    try:
+        check_shapes(gm)
+    except Exception as exc:
+        raise ShardingError(f"the tensor-parallel graph is inconsistent: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    return gm
+
+
+def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) -> List[Pass]:
+    """Every graph pass of a rank, in order. After ``localize`` the graph holds meta shards."""
+    tp = axes["tp"]
+    passes = tp_passes(cap, tp.size, tp.rank, tp.group_name, cfg.sequence_parallel, cfg.seed, axes["dp"].rank)
+    passes += [
+        Pass("localize", lambda gm: assemble_local(gm, cap, gm.meta[PLAN], tp.rank, tp.size, "meta"),
+             requires={"tp_rewritten"}),
+        Pass("check_local_shapes", check_local_shapes, ensures={"local_shapes"}),
+    ]
+    if cfg.tp_comm_overlap and tp.size > 1:
+        passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
+                           requires={"local_shapes"}))
+    passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
+    if cfg.fuse:
+        passes.append(Pass("fuse", apply_fuse, requires={"local_shapes"}))
+    return passes
+
+
+def compile_program(model: nn.Module, example_batch, axes: Mapping[str, Axis], device,
+                    cfg: ParallelConfig, debug: bool = False) -> RankProgram:
+    """This rank's program. ``debug``: the fake shape check after every pass."""
+    cfg.make_schedule(axes["pp"].size)     # checks the layout before the (long) transformation
+    t0 = time.perf_counter()
+    cap = capture(model, first_microbatch(example_batch, cfg.microbatches, axes["dp"].size))
+    return compile_captured(cap, axes, device, cfg, debug, {"capture_s": time.perf_counter() - t0})
+
+
+def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: ParallelConfig, debug: bool = False,
+                     timings: Optional[dict] = None) -> RankProgram:
+    """The rank's program from a capture (whose graph it transforms in place: give each rank
+    its own copy). ``fxmegatron.verify`` builds every simulated rank through this."""
+    tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
+    sched = cfg.make_schedule(pp.size)
+    timings = dict(timings or {})
+    runner = PassRunner(rank_passes(cap, axes, cfg), debug=debug)
+    local = runner(cap.gm)
+    timings.update({f"{name}_s": s for name, s in runner.timings.items()})
+    plan = local.meta[PLAN]
+    placeholders = tuple(n.meta["val"] for n in local.graph.nodes if n.op == "placeholder")
+    mode = cfg.compile if isinstance(cfg.compile, str) else None
+    t0 = time.perf_counter()
+    gm, pipe = None, None
+    if sched is None:
+        gm = materialize_graph(local, cap, plan.param_plc, tp.rank, tp.size, device, cfg.state_dict, cfg.seed,
+                               source=cap.gm)
+        if cfg.compile:
+            compile_graph(gm, mode)
+    else:
+        chunks = split_pipeline(local, pp.size * cfg.virtual_stages, blocks_per_chunk=cfg.blocks_per_chunk)
+        specs = boundary_specs(chunks, placeholders)
+        stage = build_stage(chunks, pp.size, pp.rank, cap, plan.param_plc, tp.rank, tp.size, device,
+                            cfg.state_dict, cfg.seed, local, source=cap.gm)
+        if cfg.compile:
+            for m in stage.modules.values():
+                compile_graph(m, mode)
+        pipe = PipelineProgram(sched, tuple(chunks), stage, specs)
+    timings["materialize_s"] = time.perf_counter() - t0
+    count = token_counter(local, device) if cfg.microbatches > 1 or dp.size > 1 else None
+    return RankProgram(
+        axes=dict(axes), device=device, in_spec=cap.in_spec, input_names=tuple(cap.input_names),
+        example_inputs=placeholders, param_order=tuple(cap.params),
+        global_params={n: (tuple(t.shape), t.dtype) for n, t in cap.params.items()},
+        aliases=dict(cap.aliases), placements=dict(plan.param_plc), sequence_parallel=plan.sequence_parallel,
+        recompute=cfg.recompute_name, seed=cfg.seed, microbatches=cfg.microbatches, graph_module=gm,
+        pipeline=pipe, replicated=dict(plan.replicated_params), planning_attempts=plan.attempts,
+        count_tokens=count, coverage=local.meta[COVERAGE], notes=tuple(cap.notes), timings=timings)
 
 
 def first_microbatch(batch, m: int, dp: int = 1):
@@ -46,42 +163,3 @@ def first_microbatch(batch, m: int, dp: int = 1):
     if dp > 1:
         flat = split_batch(flat, dp, names, f"dp={dp}")[0]
     return pytree.tree_unflatten(split_batch(flat, m, names)[0], spec)
-
-
-def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, world: int, device,
-                   state_dict: Optional[Mapping] = None, seed: int = 0) -> fx.GraphModule:
-    """The rank's GraphModule: its parameter shards, buffers and submodules, on ``device``."""
-    root = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        if node.target in cap.params:
-            root[node.target] = local_parameter(node.target, cap.params[node.target],
-                                                plan.param_plc.get(node.target, R), rank, world,
-                                                device, state_dict, seed)
-        elif node.target in cap.buffers:
-            root[node.target] = cap.buffers[node.target].to(device)
-        else:   # lifted constants and submodules (the dropout RNG)
-            t = getattr(gm, node.target)
-            root[node.target] = t.to(device) if isinstance(t, torch.Tensor) else t
-    local = fx.GraphModule(root, gm.graph)
-    return retarget_device(local, device)
-
-
-def check_local_shapes(gm: fx.GraphModule, cap: Captured) -> None:
-    """Propagate fake tensors with the local shards: shapes of the rewritten graph
-    must be consistent, and each node ends up with its local value in meta["val"]."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = []
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            v = n.meta["val"]
-            inputs.append(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v)
-    dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
-    inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs]
-    try:
-        with mode:
-            FakeTensorProp(gm, mode).propagate(*inputs)
-    except Exception as exc:
-        raise ShardingError(f"the tensor-parallel graph is inconsistent: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc

@@ -25,3 +25,37 @@ class BatchError(FxMegatronError):
 class VerificationError(FxMegatronError):
     """The parallel program does not compute what the original model computes: names the
     first divergent node, its module path and the rule that placed it."""
+
+
+class PassError(FxMegatronError):
+    """A compiler pass failed or left the graph inconsistent: names the pass and the passes
+    that ran before it."""
+
+
+class ScheduleError(FxMegatronError, ValueError):
+    """A pipeline schedule is invalid: bad (p, v, m), or a simulated run would
+    compute without its input, leave a send/recv unmatched, or deadlock."""
+
+
+class PipelineSplitError(FxMegatronError, ValueError):
+    """A graph that cannot be cut into pipeline chunks as asked."""
+
+
+class PipelineError(FxMegatronError, RuntimeError):
+    """Another pipeline rank failed while this one waited for it."""
+
+
+class CompileError(FxMegatronError, ValueError):
+    """torch.compile options that do not fit (compile and fuse together, an unknown mode)."""
+
+
+class GradAccumError(FxMegatronError, ValueError):
+    """An fp32 gradient accumulation that cannot be set up as asked."""
+
+
+class CheckpointError(FxMegatronError, RuntimeError):
+    """A checkpoint folder that is incomplete, of another format, or does not fit the model."""
+
+
+class CompiledFolderError(FxMegatronError, RuntimeError):
+    """A compiled stage folder that is missing, of another layout, or cannot be emitted."""

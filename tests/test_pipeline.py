@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fxmegatron
-from fxmegatron.passes.pipeline_split import PipelineError, _balance, split_pipeline
+from fxmegatron.errors import PipelineSplitError as PipelineError
+from fxmegatron.passes.pipeline_split import _balance, split_pipeline
 from fxmegatron.schedules import ScheduleError
 from tests import models
 from tests.distributed import run_distributed

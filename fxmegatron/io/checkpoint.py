@@ -28,15 +28,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fxmegatron.errors import FxMegatronError
+from fxmegatron.errors import CheckpointError
 from fxmegatron.placement import R, Placement, Shard, join_shards, take_shard
 from fxmegatron.ops.dropout import DropoutRng
 
 FORMAT = "fxmegatron-checkpoint/1"
 
-
-class CheckpointError(FxMegatronError, RuntimeError):
-    """A checkpoint folder that is incomplete, of another format, or does not fit the model."""
 
 
 def _plc_json(plc: Placement):
@@ -91,7 +88,7 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None) -> None:
             key = "model/" + name
             tensors[key] = p.detach().contiguous().cpu()
             meta[key] = {"placement": _plc_json(pm.placement(name)), "tp_rank": pm.tp_rank,
-                         "tp": pm.tp_size, "shape": list(pm._global[name][0])}
+                         "tp": pm.tp_size, "shape": list(pm.program.global_params[name][0])}
         names = _names(pm, optimizer)
         for p, st in (optimizer.state.items() if optimizer is not None else ()):
             name = names[id(p)]
@@ -175,7 +172,7 @@ class _Reader:
 
     def local(self, key: str, pm, name: str) -> torch.Tensor:
         full = self.full(key)
-        want = pm._global[name][0]
+        want = pm.program.global_params[name][0]
         if tuple(full.shape) != tuple(want):
             raise CheckpointError(f"{key}: the checkpoint's shape {tuple(full.shape)} differs from the model's "
                                   f"{tuple(want)}")
@@ -205,7 +202,7 @@ def load(pm, optimizer, directory: str) -> dict:
                 for key in [k for k in rd.pieces if k.startswith(f"optim/{name}/")]:
                     field = key.rsplit("/", 1)[1]
                     m = next(iter(rd.pieces[key].values()))[1]
-                    t = rd.local(key, pm, name) if m["shape"] == list(pm._global[name][0]) and p.dim() > 0 \
+                    t = rd.local(key, pm, name) if m["shape"] == list(pm.program.global_params[name][0]) and p.dim() > 0 \
                         else rd.full(key)
                     st[field] = t.to(p.device)
                 if st:

@@ -101,3 +101,33 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
         for n in gm.graph.nodes:
             if n.op == "get_attr" and "placement" in n.meta:
                 f.write(f"{n.target:56s} {_plc(n.meta['placement']):20s} {_shape(n.meta.get('val'))}\n")
+
+
+def dump_program(directory: str, program, rank: int) -> None:
+    """Write one rank's program (a ``fxmegatron.program.RankProgram``) under
+    ``directory/rank{rank}``: its graph, or each of its pipeline chunks, with the layout
+    and the decisions that made it."""
+    ax = program.axes
+    info = {dim: f"{ax[dim].size} (rank {ax[dim].rank})" for dim in ("dp", "tp", "pp")}
+    info.update({"sequence parallel": str(program.sequence_parallel), "recompute": program.recompute,
+                 "microbatches": str(program.microbatches),
+                 "planning attempts": str(program.planning_attempts)})
+    for name, why in program.replicated.items():
+        info[f"kept replicated: {name}"] = why
+    if program.coverage is not None:
+        info["split"] = program.coverage.summary(top=10)
+    for i, note in enumerate(program.notes):
+        info[f"capture note {i}"] = note
+    root = f"{directory}/rank{rank}"
+    pipe = program.pipeline
+    if pipe is None:
+        write_dump(root, program.graph_module, info)
+        return
+    sched = pipe.schedule
+    info["schedule"] = f"{sched.name} p={sched.p} v={sched.v} m={sched.m}"
+    for c in pipe.chunks:
+        info[f"chunk {c.index}"] = (f"rank {c.index % sched.p}; units {c.units[0]} .. {c.units[-1]} "
+                                    f"({len(c.units)}); cost {c.cost:.3g}; sends {c.boundary_out}")
+    info["actions"] = " ".join(str(a) for a in sched.ranks[ax["pp"].rank])
+    for k, mod in pipe.stage.modules.items():
+        write_dump(f"{root}/chunk{k}", mod, info)

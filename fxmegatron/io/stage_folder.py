@@ -27,16 +27,14 @@ import torch.utils._pytree as pytree
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fxmegatron.errors import FxMegatronError
+from fxmegatron.errors import CompiledFolderError
 from fxmegatron.passes.recompute import Recomputed
 from fxmegatron.ops.dropout import DropoutRng
-from fxmegatron.runtime.stages import _is_module
+from fxmegatron.compiler import DP_SEED_STRIDE
+from fxmegatron.runtime.materialize import is_module
 
 MANIFEST = "manifest.json"
 
-
-class CompiledFolderError(FxMegatronError, RuntimeError):
-    pass
 
 
 # ---- emitting source --------------------------------------------------------------------
@@ -83,7 +81,7 @@ class _Emitter:
             if n.op not in ("get_attr", "call_module") or n.target in seen:
                 continue
             seen.add(n.target)
-            obj = gm.get_submodule(n.target) if n.op == "call_module" or _is_module(gm, n.target) else None
+            obj = gm.get_submodule(n.target) if n.op == "call_module" or is_module(gm, n.target) else None
             if obj is None:
                 init.append(f"        attach(self, {n.target!r}, tensors[{n.target!r}])")
             else:
@@ -143,50 +141,52 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 def write_folder(pm, folder: str) -> None:
-    """Write this rank's stage (call on every rank of data-parallel replica 0)."""
-    if pm._pipeline is None:
+    """Write this rank's stage (call on every rank of data-parallel replica 0); ``pm`` is a
+    ``ParallelModel`` (or anything with a ``program``) in the chunked form."""
+    prog = pm.program
+    pipe = prog.pipeline
+    if pipe is None:
         raise CompiledFolderError("write_folder needs the chunked form: parallelize(..., virtual_stages>=1) "
                                   "with pp > 1, or compile_model, which always builds it")
-    pipe = pm._pipeline
-    groups = {}
-    for dim in ("tp", "pp", "dp"):
-        if pm._axes[dim].group_name:
-            groups[pm._axes[dim].group_name] = "@" + dim
+    groups = {prog.axes[dim].group_name: "@" + dim for dim in ("tp", "pp", "dp") if prog.axes[dim].group_name}
     from fxmegatron.ops.groups import GROUP_ALIASES
     for real, sym in groups.items():   # the live model keeps running on the symbolic names
         GROUP_ALIASES[sym] = real
-    sub = os.path.join(folder, f"pp{pm.pp_rank}-tp{pm.tp_rank}")
+    pp_rank, tp_rank = prog.rank("pp"), prog.rank("tp")
+    sub = os.path.join(folder, f"pp{pp_rank}-tp{tp_rank}")
     os.makedirs(sub, exist_ok=True)
     with open(os.path.join(sub, "stage.py"), "w") as f:
         f.write(stage_source(pipe.stage.modules, groups))
     tensors = {}
     for k, mod in pipe.stage.modules.items():
         for n in mod.graph.nodes:
-            if n.op == "get_attr" and not _is_module(mod, n.target):
+            if n.op == "get_attr" and not is_module(mod, n.target):
                 t = _get(mod, n.target)
                 tensors[n.target] = t.detach().contiguous().cpu()
     save_file(tensors, os.path.join(sub, "weights.safetensors"),
               metadata={"parameters": json.dumps(sorted(pipe.stage.params))})
-    if pm.pp_rank == 0 and pm.tp_rank == 0:
+    if pp_rank == 0 and tp_rank == 0:
         sched = pipe.schedule
         manifest = {
             "format": "fxmegatron-compiled/1",
-            "layout": {"pp": pm.pp_size, "tp": pm.tp_size},
+            "layout": {"pp": prog.size("pp"), "tp": prog.size("tp")},
             "schedule": sched.name, "virtual_stages": sched.v, "microbatches": sched.m,
-            "in_spec": pytree.treespec_dumps(pm._in_spec),
-            "batch": [{"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for v in pm._example_inputs],
-            "seed": pm._seed,
-            "aliases": pm._aliases,
-            "params": [{"name": n, "shape": list(pm._global[n][0]), "dtype": _dtype_name(pm._global[n][1]),
-                        "placement": _plc(pm._plan.param_plc.get(n))} for n in pm._order],
-            "sequence_parallel": pm._plan.sequence_parallel,
-            "recompute": pm._recompute,
+            "in_spec": pytree.treespec_dumps(prog.in_spec),
+            "batch": [{"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for v in prog.example_inputs],
+            "input_names": list(prog.input_names),
+            "seed": prog.seed,
+            "aliases": dict(prog.aliases),
+            "params": [{"name": n, "shape": list(prog.global_params[n][0]),
+                        "dtype": _dtype_name(prog.global_params[n][1]),
+                        "placement": _plc(prog.placements.get(n))} for n in prog.param_order],
+            "sequence_parallel": prog.sequence_parallel,
+            "recompute": prog.recompute,
             "chunks": [{"index": c.index, "units": c.units, "cost": c.cost, "params": c.params,
                         "batch_inputs": c.batch_inputs, "boundary_in": c.boundary_in,
                         "boundary_out": c.boundary_out, "boundary_grad": c.boundary_grad}
                        for c in pipe.chunks],
             "specs": {str(k): [{"shape": list(s.shape), "dtype": _dtype_name(s.dtype), "grad": s.grad}
-                               for s in v] for k, v in pipe.runner.specs.items()},
+                               for s in v] for k, v in pipe.specs.items()},
             "shared": {n: {"shape": list(s), "dtype": _dtype_name(d)} for n, (s, d) in pipe.stage.shared.items()},
         }
         with open(os.path.join(folder, MANIFEST), "w") as f:
@@ -212,29 +212,28 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
     """A ``ParallelModel`` for this rank from a compiled folder (no model code needed).
     ``grad_accum_dtype``: as ``parallelize``'s."""
     from fxmegatron.ops.groups import GROUP_ALIASES
-    from fxmegatron.api import ParallelModel, Pipeline, _mesh_axes, _runtime_device, attach_grad_hooks, chunk_uses
-    from fxmegatron.runtime.grad_accumulation import check_grad_accum_dtype
+    from fxmegatron.mesh import mesh_axes, runtime_device
     from fxmegatron.passes.pipeline_split import Chunk
     from fxmegatron.placement import R, Shard
-    from fxmegatron.schedules import make_schedule
-    from fxmegatron.schedules.runtime import StageRunner, TensorSpec
+    from fxmegatron.program import PipelineProgram, RankProgram
+    from fxmegatron.runtime.model import ParallelModel
     from fxmegatron.runtime.stages import Stage
-    from types import SimpleNamespace
+    from fxmegatron.schedules import make_schedule
+    from fxmegatron.schedules.runtime import TensorSpec
 
-    check_grad_accum_dtype(grad_accum_dtype)
     path = os.path.join(folder, MANIFEST)
     if not os.path.exists(path):
         raise CompiledFolderError(f"{folder} has no {MANIFEST}: not a folder written by `fxmegatron compile`")
     with open(path) as f:
         man = json.load(f)
-    axes = _mesh_axes(mesh)
+    axes = mesh_axes(mesh)
     for dim in ("pp", "tp"):
         if axes[dim].size != man["layout"][dim]:
             raise CompiledFolderError(f"{folder} was compiled for {dim}={man['layout'][dim]}, the mesh has "
                                       f"{dim}={axes[dim].size}")
     for dim in ("tp", "pp", "dp"):
         GROUP_ALIASES["@" + dim] = axes[dim].group_name
-    device = device or _runtime_device(mesh)
+    device = device or runtime_device(mesh)
     pp, tp, dp = axes["pp"], axes["tp"], axes["dp"]
     sub = os.path.join(folder, f"pp{pp.rank}-tp{tp.rank}")
     spec = importlib.util.spec_from_file_location(f"fxmegatron_stage_pp{pp.rank}_tp{tp.rank}",
@@ -254,26 +253,22 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
         m.to(device)
         for sub_m in m.modules():     # data-parallel replicas draw their own dropout masks
             if isinstance(sub_m, DropoutRng):
-                sub_m.seed = man["seed"] + 0x9E3779B1 * dp.rank
+                sub_m.seed = man["seed"] + DP_SEED_STRIDE * dp.rank
     sched = make_schedule(man["schedule"], pp.size, man["virtual_stages"], man["microbatches"])
     specs = {int(k): [TensorSpec(tuple(s["shape"]), getattr(torch, s["dtype"]), s["grad"]) for s in v]
              for k, v in man["specs"].items()}
-    runner = StageRunner(sched, pp.rank, modules, {c.index: c.batch_inputs for c in chunks}, specs,
-                         pp.ranks, pp.group, device)
     shared = {n: (tuple(s["shape"]), getattr(torch, s["dtype"])) for n, s in man["shared"].items()}
-    stage = Stage(modules, params, shared)
-    param_plc = {p["name"]: (R if p["placement"] == "R" else
-                             Shard(p["placement"]["dim"], tuple(p["placement"]["blocks"])
-                                   if p["placement"]["blocks"] else None)) for p in man["params"]}
-    captured = SimpleNamespace(in_spec=pytree.treespec_loads(man["in_spec"]), aliases=man["aliases"],
-                               input_names=[f"input {i}" for i in range(len(man["batch"]))],
-                               params={p["name"]: torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]),
-                                                              device="meta") for p in man["params"]})
-    plan = SimpleNamespace(param_plc=param_plc, replicated_params={}, sequence_parallel=man["sequence_parallel"],
-                           attempts=0)
-    pm = ParallelModel(None, captured, plan, axes, {}, man["microbatches"], Pipeline(sched, chunks, stage, runner))
-    pm._recompute = man["recompute"]
-    pm._example_inputs = [torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]), device="meta")
-                          for b in man["batch"]]
-    attach_grad_hooks(pm, chunk_uses(chunks, modules, params), dp, grad_accum_dtype)
-    return pm
+    placements = {p["name"]: (R if p["placement"] == "R" else
+                              Shard(p["placement"]["dim"], tuple(p["placement"]["blocks"])
+                                    if p["placement"]["blocks"] else None)) for p in man["params"]}
+    program = RankProgram(
+        axes=axes, device=torch.device(device), in_spec=pytree.treespec_loads(man["in_spec"]),
+        input_names=tuple(man.get("input_names") or [f"input {i}" for i in range(len(man["batch"]))]),
+        example_inputs=tuple(torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]), device="meta")
+                             for b in man["batch"]),
+        param_order=tuple(p["name"] for p in man["params"]),
+        global_params={p["name"]: (tuple(p["shape"]), getattr(torch, p["dtype"])) for p in man["params"]},
+        aliases=man["aliases"], placements=placements, sequence_parallel=man["sequence_parallel"],
+        recompute=man["recompute"], seed=man["seed"], microbatches=man["microbatches"],
+        pipeline=PipelineProgram(sched, tuple(chunks), Stage(modules, params, shared), specs))
+    return ParallelModel(program, grad_accum_dtype)

@@ -20,19 +20,16 @@ two chunks (tied embedding and LM head) is the same name in both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
-from fxmegatron.errors import FxMegatronError
+from fxmegatron.errors import PipelineSplitError
 from fxmegatron.passes.recompute import block_of
 
 aten = torch.ops.aten
 
-
-class PipelineError(FxMegatronError, ValueError):
-    """A graph that cannot be cut as asked."""
 
 
 @dataclass
@@ -93,7 +90,7 @@ def _units(gm: fx.GraphModule):
                 blocks.append(b)
             raw[n] = blocks.index(b) + 1
     if not blocks:
-        raise PipelineError("pipeline parallelism cuts at transformer blocks, and this graph has none: no "
+        raise PipelineSplitError("pipeline parallelism cuts at transformer blocks, and this graph has none: no "
                             "module path ends in an index (e.g. 'layers.0'); use pp=1")
     unit: Dict[fx.Node, int] = {}
     seen_block = False
@@ -165,14 +162,14 @@ def plan_units(gm: fx.GraphModule, n_chunks: int, blocks_per_chunk: Optional[Seq
     if blocks_per_chunk is not None:
         bpc = list(blocks_per_chunk)
         if len(bpc) != n_chunks or sum(bpc) != L or min(bpc) < 1:
-            raise PipelineError(f"blocks_per_chunk={bpc} must have {n_chunks} entries (pp·virtual_stages), each "
+            raise PipelineSplitError(f"blocks_per_chunk={bpc} must have {n_chunks} entries (pp·virtual_stages), each "
                                 f">= 1, summing to the {L} transformer blocks found ({names[1]} ... {names[-2]})")
         sizes = list(bpc)
         sizes[0] += 1       # the embedding goes with the first chunk
         sizes[-1] += 1      # the head and loss with the last
     else:
         if n_chunks > L:
-            raise PipelineError(f"pp·virtual_stages = {n_chunks} chunks, but the graph has only {L} transformer "
+            raise PipelineSplitError(f"pp·virtual_stages = {n_chunks} chunks, but the graph has only {L} transformer "
                                 f"blocks ({names[1]} ... {names[-2]}): each chunk needs at least one")
         # pre and post ride with their neighbouring block so that every chunk holds a block
         merged = [costs[0] + costs[1]] + costs[2:-2] + [costs[-2] + costs[-1]] if L > 1 else [sum(costs)]
@@ -248,7 +245,7 @@ def split_pipeline(gm: fx.GraphModule, n_chunks: int, n_batch_inputs: Optional[i
                     env[a] = g.get_attr(a.target)
                     env[a].meta = dict(a.meta)
                 else:
-                    raise PipelineError(f"node {a.name} is needed in chunk {k} but is not available there")
+                    raise PipelineSplitError(f"node {a.name} is needed in chunk {k} but is not available there")
             return env[a]
 
         for n in members:
@@ -261,7 +258,7 @@ def split_pipeline(gm: fx.GraphModule, n_chunks: int, n_batch_inputs: Optional[i
             for v in out_vals:
                 val = v.meta.get("val")
                 if not isinstance(val, torch.Tensor):
-                    raise PipelineError(f"value {v.name} ({type(val).__name__}) crosses the pipeline boundary "
+                    raise PipelineSplitError(f"value {v.name} ({type(val).__name__}) crosses the pipeline boundary "
                                         f"after chunk {k}; only tensors can be sent between stages")
             g.output(tuple(env[v] for v in out_vals))
         sub = fx.GraphModule(gm, g)
@@ -273,3 +270,13 @@ def split_pipeline(gm: fx.GraphModule, n_chunks: int, n_batch_inputs: Optional[i
                             [v in needs_grad for v in out_vals]))
         carried = out_vals
     return chunks
+
+
+def param_holders(chunks: Sequence[Chunk], p: int) -> Dict[str, Tuple[int, ...]]:
+    """Parameter name -> the pipeline ranks whose chunks use it (chunk c lives on rank c % p),
+    in rank order. A tied embedding and LM head has two."""
+    ranks: Dict[str, set] = {}
+    for c in chunks:
+        for name in c.params:
+            ranks.setdefault(name, set()).add(c.index % p)
+    return {n: tuple(sorted(r)) for n, r in ranks.items()}

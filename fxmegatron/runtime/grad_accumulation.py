@@ -36,11 +36,8 @@ import torch
 import torch.nn as nn
 
 from fxmegatron.kernels.multi_tensor import chunk_tables, config, flat_offsets
-from fxmegatron.errors import FxMegatronError
+from fxmegatron.errors import GradAccumError
 
-
-class GradAccumError(FxMegatronError, ValueError):
-    pass
 
 
 def check_grad_accum_dtype(dtype) -> Optional[torch.dtype]:
@@ -84,7 +81,7 @@ def acc_multi(chunks_ptr, meta_ptr, addr_ptr, sum_ptr, ref_ptr, ALIGNED: tl.cons
 
 
 def _kernel():
-    from fxmegatron.codegen.triton_kernel import compile_source
+    from fxmegatron.codegen.kernel_cache import compile_source
     return compile_source(_SRC, "acc_multi")
 
 
@@ -142,7 +139,7 @@ class Fp32GradAccumulator:
         pending, self._pending, self._queued = self._pending, [], False
         if not pending:
             return
-        from fxmegatron.codegen.triton_kernel import table_kernels_run
+        from fxmegatron.codegen.where_kernels_run import table_kernels_run
         by_dtype: Dict[torch.dtype, List[Tuple[int, torch.Tensor]]] = {}
         for i, g in pending:
             by_dtype.setdefault(g.dtype, []).append((i, g if g.is_contiguous() else g.contiguous()))

@@ -11,11 +11,14 @@ other 1-D parameters (norm weights): GPT-2/Megatron's initialisation.
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
+import torch.fx as fx
+import torch.nn as nn
 
-from fxmegatron.placement import Placement, Shard, local_shape, shard_slices, take_shard
+from fxmegatron.capture import Captured, retarget_device
+from fxmegatron.placement import Placement, R, Shard, local_shape, shard_slices, take_shard
 
 _CHUNK = 1 << 20
 
@@ -72,3 +75,58 @@ def local_parameter(name: str, model_tensor: torch.Tensor, plc: Placement, rank:
         local = init_shard(name, model_tensor.shape, model_tensor.dtype, plc, rank, world, seed)
     local = local.to(device=device, dtype=model_tensor.dtype, copy=True).contiguous()
     return torch.nn.Parameter(local, requires_grad=model_tensor.requires_grad)
+
+
+def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str, Placement], rank: int,
+                      world: int, device, state_dict: Optional[Mapping] = None, seed: int = 0,
+                      source: Optional[fx.GraphModule] = None,
+                      params: Optional[Dict[str, torch.nn.Parameter]] = None) -> fx.GraphModule:
+    """``gm``'s graph with this rank's parameter shards, the buffers, constants and
+    submodules it uses, on ``device`` ("meta": local shapes, no values). Constants are
+    taken from ``source`` where it has them (the graph before it went to meta). ``params``
+    (name -> shard) is shared between calls, so chunks of one rank share a weight."""
+    params = {} if params is None else params
+    root = {}
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op == "get_attr":
+            if t in cap.params:
+                if t not in params:
+                    params[t] = local_parameter(t, cap.params[t], placements.get(t, R), rank, world,
+                                                device, state_dict, seed)
+                root[t] = params[t]
+            elif t in cap.buffers:
+                root[t] = cap.buffers[t].to(device)
+            elif is_module(gm, t):
+                root[t] = gm.get_submodule(t)
+            else:   # lifted constants
+                owner = source if source is not None and _has_attr(source, t) else gm
+                v = _get_attr(owner, t)
+                root[t] = v.to(device) if isinstance(v, torch.Tensor) else v
+        elif node.op == "call_module":
+            root[t] = gm.get_submodule(t)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return retarget_device(fx.GraphModule(root, graph), device)
+
+
+def is_module(gm: nn.Module, target: str) -> bool:
+    try:
+        gm.get_submodule(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _get_attr(obj, target: str):
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _has_attr(obj, target: str) -> bool:
+    try:
+        _get_attr(obj, target)
+        return True
+    except AttributeError:
+        return False

@@ -18,10 +18,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxmegatron.capture import Captured, retarget_device
 from fxmegatron.errors import FxMegatronError
-from fxmegatron.runtime.materialize import local_parameter
-from fxmegatron.passes.pipeline_split import Chunk
-from fxmegatron.placement import R
-from fxmegatron.ops.dropout import DropoutRng
+from fxmegatron.runtime.materialize import materialize_graph
+from fxmegatron.passes.pipeline_split import Chunk, param_holders
 from fxmegatron.schedules.runtime import TensorSpec
 
 
@@ -57,10 +55,6 @@ def boundary_specs(chunks: Sequence[Chunk], placeholder_vals: Sequence) -> Dict[
             if c.boundary_out:
                 specs[c.index] = [TensorSpec(tuple(t.shape), t.dtype, g) for t, g in zip(out, c.boundary_grad)]
                 carried = list(out)
-    for c in chunks:
-        for _, mod in c.gm.named_modules():
-            if isinstance(mod, DropoutRng):
-                mod.step = 0     # the propagation above ran forwards
     return specs
 
 
@@ -74,51 +68,20 @@ class Stage:
 
 
 def build_stage(chunks: Sequence[Chunk], p: int, pp_rank: int, cap: Captured, param_plc, tp_rank: int,
-                tp: int, device, state_dict: Optional[Mapping], seed: int, meta_gm: fx.GraphModule) -> Stage:
-    """Materialise the parameters of the chunks on ``pp_rank`` (chunk c lives on rank c % p)."""
+                tp: int, device, state_dict: Optional[Mapping], seed: int, meta_gm: fx.GraphModule,
+                source: Optional[fx.GraphModule] = None) -> Stage:
+    """Materialise the parameters of the chunks on ``pp_rank`` (chunk c lives on rank c % p);
+    constants come from ``source`` (the graph before it went to meta)."""
     params: Dict[str, nn.Parameter] = {}
-    modules = {}
-    for c in chunks:
-        if c.index % p != pp_rank:
-            continue
-        root = {}
-        for node in c.gm.graph.nodes:
-            if node.op == "get_attr":
-                t = node.target
-                if t in cap.params:
-                    if t not in params:
-                        params[t] = local_parameter(t, cap.params[t], param_plc.get(t, R), tp_rank, tp,
-                                                    device, state_dict, seed)
-                    root[t] = params[t]
-                elif t in cap.buffers:
-                    root[t] = cap.buffers[t].to(device)
-                else:
-                    root[t] = c.gm.get_submodule(t) if _is_module(c.gm, t) else getattr(c.gm, t)
-            elif node.op == "call_module":
-                root[node.target] = c.gm.get_submodule(node.target)
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(c.gm.graph, {}))
-        modules[c.index] = retarget_device(fx.GraphModule(root, graph), device)
+    modules = {c.index: materialize_graph(c.gm, cap, param_plc, tp_rank, tp, device, state_dict, seed, source, params)
+               for c in chunks if c.index % p == pp_rank}
     # weights used on several pipeline ranks (tied embedding / LM head): gradients summed over pp
-    holders: Dict[str, set] = {}
-    for c in chunks:
-        for name in c.params:
-            if name in cap.params:
-                holders.setdefault(name, set()).add(c.index % p)
     shared = {}
-    for name, ranks in sorted(holders.items()):
-        if len(ranks) > 1:
+    for name, ranks in sorted(param_holders(chunks, p).items()):
+        if len(ranks) > 1 and name in cap.params:
             t = meta_gm.get_parameter(name)
             shared[name] = (tuple(t.shape), t.dtype)
     return Stage(modules, params, shared)
-
-
-def _is_module(gm: nn.Module, target: str) -> bool:
-    try:
-        gm.get_submodule(target)
-        return True
-    except AttributeError:
-        return False
 
 
 def token_counter(gm: fx.GraphModule, device="cpu"):
@@ -166,3 +129,12 @@ def token_counter(gm: fx.GraphModule, device="cpu"):
         return int((t != ignore).sum())
 
     return count
+
+
+def loss_weights(counts: Optional[Sequence[float]], total: float, dp: int, m: int) -> List[float]:
+    """Each microbatch's (mean) loss weight so that the step's loss is the mean over every
+    counted token of the global batch: count_i·dp / N, with N the counted tokens of the
+    whole batch over the dp replicas (1/m without a counter or without a counted token)."""
+    if counts is None or total == 0:
+        return [1.0 / m] * m
+    return [float(c) * dp / total for c in counts]

@@ -22,12 +22,9 @@ import functools
 import torch
 import torch.fx as fx
 
-from fxmegatron.errors import FxMegatronError
+from fxmegatron.errors import CompileError
 from fxmegatron.ops.dropout import rng_key
 
-
-class CompileError(FxMegatronError, ValueError):
-    pass
 
 
 @functools.lru_cache(maxsize=None)

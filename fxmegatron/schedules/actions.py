@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fxmegatron.errors import FxMegatronError
+from fxmegatron.errors import ScheduleError
 
 COMPUTE_KINDS = ("F", "B")
 SEND_KINDS = ("SEND_F", "SEND_B")
@@ -47,10 +47,6 @@ KINDS = COMPUTE_KINDS + SEND_KINDS + RECV_KINDS
 _SHORT = {"F": "F", "B": "B", "SEND_F": "sF", "SEND_B": "sB",
           "RECV_F": "rF", "RECV_B": "rB"}
 
-
-class ScheduleError(FxMegatronError, ValueError):
-    """A pipeline schedule is invalid: bad (p, v, m), or a simulated run would
-    compute without its input, leave a send/recv unmatched, or deadlock."""
 
 
 @dataclass(frozen=True)

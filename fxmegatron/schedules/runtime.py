@@ -21,14 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fxmegatron.errors import FxMegatronError
+from fxmegatron.errors import PipelineError
 from fxmegatron.schedules.actions import Action, Schedule
 
 ERROR_KEY = "fxmegatron/pipeline_error"
 
-
-class PipelineError(FxMegatronError, RuntimeError):
-    """Another pipeline rank failed while this one waited for it."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def pipeline_failure(rank, world, fail_rank, microbatches=4):
     name = "gpt"
     pm = fxmegatron.parallelize(models.build(name, n_layer=4), mesh, models.batch(name, batch_size=8),
                                 microbatches=microbatches)
-    runner = pm._pipeline.runner
+    runner = pm._runner
     if pm.pp_rank == fail_rank:
         (c, chunk), = runner.chunks.items()
         calls = []
@@ -60,4 +60,4 @@ def pipeline_boundaries(rank, world, name="gpt", n_layer=4):
     pm = fxmegatron.parallelize(models.build(name, n_layer=n_layer), pp_mesh(world, 2),
                                 models.batch(name, batch_size=4), sequence_parallel=True, microbatches=2,
                                 virtual_stages=2, schedule="interleaved")
-    return [len(c.boundary_out) for c in pm._pipeline.chunks]
+    return [len(c.boundary_out) for c in pm.program.pipeline.chunks]

@@ -1,0 +1,72 @@
+"""The device mesh as one rank sees it: an ``Axis`` per dim ("dp", "pp", "tp") and the device
+the rank runs on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxmegatron.errors import MeshError
+
+KNOWN_DIMS = ("dp", "pp", "tp")
+SUPPORTED_DIMS = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh dimension as this rank sees it."""
+
+    size: int = 1
+    rank: int = 0
+    group_name: str = ""
+    ranks: Tuple[int, ...] = (0,)     # global ranks of the group, in group order
+
+    @property
+    def group(self):
+        if not self.group_name:
+            return None
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(self.group_name)
+
+
+def mesh_axes(mesh) -> Dict[str, Axis]:
+    """{"dp": Axis, "pp": Axis, "tp": Axis} from a DeviceMesh, after checking it."""
+    if mesh is None:
+        return {"dp": Axis(), "tp": Axis(), "pp": Axis()}
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in KNOWN_DIMS]
+    if not names or unknown:
+        raise MeshError(f"the device mesh has dims {names or '(unnamed)'}; fxmegatron needs dims named from "
+                        f"{KNOWN_DIMS}, e.g. 'tp' (init_device_mesh('cuda', (2,), mesh_dim_names=('tp',))) "
+                        "or ('pp', 'tp')")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mesh.size() != world:
+        raise MeshError(f"the device mesh {dict(zip(names, mesh.shape))} has {mesh.size()} devices but the "
+                        f"world size is {world}: the mesh must cover every process")
+    for n, s in zip(names, mesh.shape):
+        if n not in SUPPORTED_DIMS and s > 1:
+            raise MeshError(f"mesh dim {n!r} of size {s} is not supported yet (supported: {SUPPORTED_DIMS})")
+    axes = {}
+    for n in ("dp", "tp", "pp"):
+        if n not in names:
+            axes[n] = Axis()
+            continue
+        sub = mesh[n] if len(names) > 1 else mesh
+        group = sub.get_group()
+        axes[n] = Axis(sub.size(), sub.get_local_rank(), group.group_name,
+                       tuple(dist.get_process_group_ranks(group)))
+    return axes
+
+
+def runtime_device(mesh, model: Optional[nn.Module] = None) -> torch.device:
+    if mesh is None:    # one process: where the model is (a meta model runs on the CPU)
+        dev = next((p.device for p in model.parameters()), None) if model is not None else None
+        return dev if dev is not None and dev.type != "meta" else torch.device("cpu")
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    if mesh.device_type == "meta":
+        return torch.device("meta")
+    return torch.device(mesh.device_type, torch.cuda.current_device())

@@ -1,0 +1,228 @@
+"""``ParallelModel``: runs one rank's ``RankProgram`` as an ``nn.Module`` (the train step,
+its loss weights, gradient norm and clipping, whole state and dumps)."""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxmegatron.capture import batch_args
+from fxmegatron.capture.inputs import check_batch
+from fxmegatron.io.dump import dump_program
+from fxmegatron.placement import Placement, R
+from fxmegatron.program import RankProgram
+from fxmegatron.runtime.batch_check import check_same_batch
+from fxmegatron.runtime.data_parallel import GradSync
+from fxmegatron.runtime.gather import gather_stages, gather_tp, sum_shared_grads
+from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
+from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
+from fxmegatron.runtime.stages import loss_weights, split_batch
+from fxmegatron.schedules.runtime import StageRunner
+
+
+class ParallelModel(nn.Module):
+    """One rank's piece of the parallel program.
+
+    ``train_step(batch)`` runs forward and backward over the microbatches (the
+    pipeline schedule when there is one) and returns the loss on every rank.
+    Without pipeline parallelism the model can also be called with a batch to get
+    the loss. ``parameters()`` are this rank's local shards, under the original
+    model's names (tied weights appear once per rank). ``program`` is the
+    ``RankProgram`` it runs.
+    """
+
+    def __init__(self, program: RankProgram, grad_accum_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        check_grad_accum_dtype(grad_accum_dtype)
+        self.program = program
+        ax = program.axes
+        self.tp_size, self.tp_rank = ax["tp"].size, ax["tp"].rank
+        self.pp_size, self.pp_rank = ax["pp"].size, ax["pp"].rank
+        self.dp_size, self.dp_rank = ax["dp"].size, ax["dp"].rank
+        self.microbatches = program.microbatches
+        self.graph_module = program.graph_module
+        # the first steps check that every tp and pp rank got the same batch (see check_same_batch)
+        self.batch_checks = 3
+        self.coverage = program.coverage         # how much tp splits
+        self.notes: List[str] = list(program.notes)    # what capture changed
+        self.timings = dict(program.timings)
+        pipe = program.pipeline
+        self._runner: Optional[StageRunner] = None
+        self._holders: Dict[str, Tuple[int, ...]] = {}
+        uses: Dict[int, int] = {}
+        if pipe is not None:
+            self.stages = nn.ModuleDict({str(k): m for k, m in pipe.stage.modules.items()})
+            self._runner = StageRunner(pipe.schedule, self.pp_rank, pipe.stage.modules, pipe.batch_inputs,
+                                       pipe.specs, ax["pp"].ranks, ax["pp"].group, program.device)
+            self._holders = pipe.holders()
+            uses = pipe.uses()
+        # the fp32 accumulation (when asked for) first, then the data-parallel averaging: the
+        # hooks run in that order, so a bucket reduced at a parameter's last accumulation
+        # holds the rounded fp32 sum
+        self._grad_accum: Optional[Fp32GradAccumulator] = None
+        self._grad_sync: Optional[GradSync] = None
+        if grad_accum_dtype is not None and (self.microbatches > 1 or any(v > 1 for v in uses.values())):
+            self._grad_accum = Fp32GradAccumulator(list(self.parameters()), uses)
+        if self.dp_size > 1:
+            self._grad_sync = GradSync(list(self.parameters()), uses, ax["dp"].group, self.dp_size)
+
+    # parameters keep the original model's names
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        pipe = self.program.pipeline
+        if pipe is None:
+            yield from self.graph_module.named_parameters(prefix, recurse, remove_duplicate)
+            return
+        params = pipe.stage.params
+        for name in self.program.param_order:
+            if name in params:
+                yield (prefix + "." + name if prefix else name), params[name]
+
+    def placement(self, name: str) -> Placement:
+        """How parameter ``name`` (original model's name) is split over tp."""
+        return self.program.placement(name)
+
+    @property
+    def dp_group(self):
+        """The data-parallel process group (None without a "dp" dim), e.g. for
+        ``torch.distributed.optim.ZeroRedundancyOptimizer(..., process_group=pm.dp_group)``."""
+        return self.program.axes["dp"].group
+
+    @property
+    def _device(self) -> torch.device:
+        # on the device the process groups' backend serves (NCCL takes no CPU tensors)
+        return next((p.device for p in self.parameters()), torch.device("cpu"))
+
+    def _flat(self, args, kwargs):
+        if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list, dict)):
+            args, kwargs = batch_args(args[0])
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.program.in_spec:
+            raise TypeError(f"batch structure {spec} differs from the example batch's {self.program.in_spec}")
+        if self.batch_checks > 0:
+            self.batch_checks -= 1
+            check_same_batch(flat, list(self.program.input_names), self.program.axes)
+        return flat
+
+    def _check_micro(self, micro, what):
+        check_batch(micro, list(self.program.example_inputs), list(self.program.input_names), what)
+
+    def forward(self, *args, **kwargs):
+        if self.program.pipeline is not None:
+            raise RuntimeError("a pipelined model runs whole steps: call train_step(batch) (forward and backward "
+                               "over the microbatches by the schedule)")
+        if self.dp_size > 1:
+            raise RuntimeError("with data parallelism, call train_step(batch) with the global batch: it takes this "
+                               "rank's share and averages gradients over dp")
+        flat = self._flat(args, kwargs)
+        self._check_micro(flat, "batch")
+        return self.graph_module(*flat)[0]
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of one batch, split into ``microbatches``; gradients accumulate
+        in ``.grad`` (the optimizer step is the caller's). Returns the batch's loss (detached),
+        on every rank: each microbatch's loss is weighted 1/m, which is the whole batch's mean
+        loss when the model's loss is a mean over equal microbatches."""
+        flat = self._flat(args, kwargs)
+        m = self.microbatches
+        names = [f"input {i}" for i in range(len(flat))]
+        if self.dp_size > 1:    # this data-parallel rank's share of the global batch
+            flat = split_batch(flat, self.dp_size, names, f"dp={self.dp_size}")[self.dp_rank]
+        micro = split_batch(flat, m, names)
+        self._check_micro(micro[0], f"microbatch (the batch split over dp={self.dp_size} and m={m})"
+                          if m * self.dp_size > 1 else "batch")
+        weights = self._loss_weights(micro)
+        if self._grad_accum is not None:
+            self._grad_accum.start(m)
+        if self._grad_sync is not None:
+            self._grad_sync.start(m)
+        if self._runner is None:
+            total = None
+            for mb, w in zip(micro, weights):
+                loss = self.graph_module(*mb)[0]
+                (loss * w).backward()
+                total = loss.detach() * w if total is None else total + loss.detach() * w
+        else:
+            total = self._runner.run(micro, weights)
+        if self._grad_accum is not None:
+            self._grad_accum.finish()
+        if self._grad_sync is not None:
+            self._grad_sync.finish()
+        if self._runner is not None:
+            pipe, pp = self.program.pipeline, self.program.axes["pp"]
+            sum_shared_grads(pipe.stage.params, pipe.stage.shared, pp, self._runner.device)
+            total = self._broadcast_loss(total)
+        if self.dp_size > 1:
+            total = total.detach().float().clone()
+            dist.all_reduce(total, group=self.dp_group)
+            total /= self.dp_size
+        return total
+
+    def _loss_weights(self, micro) -> List[float]:
+        """Weight of each microbatch's (mean) loss so that the step's loss is the mean over
+        every counted token of the global batch: count_i·dp / N (1/m without a counter)."""
+        if self.program.count_tokens is None:
+            return loss_weights(None, 0, self.dp_size, len(micro))
+        counts = [float(self.program.count_tokens(mb)) for mb in micro]
+        total = torch.tensor(sum(counts), dtype=torch.float64, device=self._device)
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        return loss_weights(counts, total.item(), self.dp_size, len(micro))
+
+    def _broadcast_loss(self, total: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.pp_size == 1:
+            return total
+        ax = self.program.axes["pp"]
+        t = total.float().reshape(()) if total is not None else torch.zeros((), device=self._runner.device)
+        dist.broadcast(t, src=ax.ranks[-1], group=ax.group)
+        return t
+
+    # ---- the whole model's gradient norm -----------------------------------------
+    def _holders_of(self, name: str) -> int:
+        tp = self.tp_size if self.placement(name) == R else 1
+        return tp * len(self._holders.get(name, (0,)))
+
+    def grad_norm(self) -> torch.Tensor:
+        """The norm of the whole (unsplit) model's gradient, as ``torch.nn.utils.clip_grad_norm_``
+        on the unmodified model computes it (fp32, on the device, no host sync). Collective over
+        tp and pp (every rank must call it)."""
+        return grad_norm(self.named_parameters(), self._holders_of, self.program.axes, self._device)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that the norm of the whole (unsplit) model's gradient is at most
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the unmodified model would; returns
+        that norm. Collective over tp and pp (every rank must call it). With
+        ``fxmegatron.optim.FusedAdamW``, ``opt.step(clip_coefficient(pm.grad_norm(), max_norm))``
+        does the same without this pass over the gradients."""
+        from fxmegatron.optim import clip_coefficient
+        norm = self.grad_norm()
+        scale_grads_(self.parameters(), clip_coefficient(norm, max_norm))
+        return norm
+
+    # ---- whole tensors -----------------------------------------------------------
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Whole parameters under every name the unmodified model uses, tied names
+        included, on every rank: loads into the unmodified model with strict=True.
+        Collective over tp and pp: every rank must call it."""
+        tp = self.program.axes["tp"]
+        out = {n: gather_tp(p, self.placement(n), tp) for n, p in self.named_parameters()}
+        if self._runner is not None and self.pp_size > 1:
+            out = gather_stages(out, self.program.param_order, self.program.global_params, self._holders,
+                                self.program.axes["pp"], self._runner.device)
+        for alias, canon in self.program.aliases.items():
+            if canon in out:
+                out[alias] = out[canon]
+        return out
+
+    def full_grads(self) -> Dict[str, torch.Tensor]:
+        """Whole gradients of this rank's parameters (collective over tp)."""
+        tp = self.program.axes["tp"]
+        return {n: gather_tp(p.grad, self.placement(n), tp) for n, p in self.named_parameters()
+                if p.grad is not None}
+
+    def dump(self, directory: str) -> None:
+        """Write this rank's transformed graph(s), placements, collectives and decisions."""
+        dump_program(directory, self.program, dist.get_rank() if dist.is_initialized() else 0)
