@@ -10,14 +10,15 @@ writes::
 ``stage.py`` imports torch and fxmegatron only, never the original model's code.
 The weights are safetensors, loaded with no pickles. The collectives in the
 generated code name their group symbolically ("@tp"), and ``load_folder``
-binds that name to the launching job's process group.
+binds that name to the launching job's process group in the source it loads.
 """
 from __future__ import annotations
 
-import importlib.util
+import copy
 import json
 import textwrap
 import os
+import types
 from typing import Dict, List, Optional
 
 import torch
@@ -61,16 +62,20 @@ class _Emitter:
         self.classes: List[str] = []
         self.count = 0
 
-    def _symbolic_groups(self, gm: fx.GraphModule) -> None:
-        for n in gm.graph.nodes:
+    def _symbolic_code(self, gm: fx.GraphModule):
+        """``gm``'s code with group names made symbolic ("@tp"), from a copy of its graph: the
+        live model keeps its own groups."""
+        g = fx.Graph()
+        g._codegen = copy.deepcopy(gm.graph._codegen)
+        g.output(g.graph_copy(gm.graph, {}))
+        for n in g.nodes:
             if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("fxmegatron"):
                 n.args = tuple(self.group_names.get(a, a) if isinstance(a, str) else a for a in n.args)
-        gm.recompile()
+        return g.python_code(root_module="self")
 
     def emit(self, gm: fx.GraphModule, cls: str) -> str:
         """Class ``cls`` for ``gm``; returns the expression that builds it from ``tensors``."""
-        self._symbolic_groups(gm)
-        code = gm.graph.python_code(root_module="self")
+        code = self._symbolic_code(gm)
         for name, obj in code.globals.items():
             line = _import_line(name, obj)
             if line not in self.imports:
@@ -149,9 +154,6 @@ def write_folder(pm, folder: str) -> None:
         raise CompiledFolderError("write_folder needs the chunked form: parallelize(..., virtual_stages>=1) "
                                   "with pp > 1, or compile_model, which always builds it")
     groups = {prog.axes[dim].group_name: "@" + dim for dim in ("tp", "pp", "dp") if prog.axes[dim].group_name}
-    from fxmegatron.ops.groups import GROUP_ALIASES
-    for real, sym in groups.items():   # the live model keeps running on the symbolic names
-        GROUP_ALIASES[sym] = real
     pp_rank, tp_rank = prog.rank("pp"), prog.rank("tp")
     sub = os.path.join(folder, f"pp{pp_rank}-tp{tp_rank}")
     os.makedirs(sub, exist_ok=True)
@@ -208,10 +210,22 @@ def _get(mod, target):
 
 
 # ---- loading -----------------------------------------------------------------------------
+def _load_stage(path: str, name: str, groups: Dict[str, str]) -> types.ModuleType:
+    """The generated module, its symbolic group names ("@tp") bound to this job's groups in
+    its source: each loaded program carries its own binding, nothing global."""
+    with open(path) as f:
+        src = f.read()
+    for sym, real in groups.items():
+        src = src.replace(repr(sym), repr(real))
+    mod = types.ModuleType(name)
+    mod.__file__ = path
+    exec(compile(src, path, "exec"), mod.__dict__)
+    return mod
+
+
 def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
     """A ``ParallelModel`` for this rank from a compiled folder (no model code needed).
     ``grad_accum_dtype``: as ``parallelize``'s."""
-    from fxmegatron.ops.groups import GROUP_ALIASES
     from fxmegatron.mesh import mesh_axes, runtime_device
     from fxmegatron.passes.pipeline_split import Chunk
     from fxmegatron.placement import R, Shard
@@ -231,15 +245,11 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
         if axes[dim].size != man["layout"][dim]:
             raise CompiledFolderError(f"{folder} was compiled for {dim}={man['layout'][dim]}, the mesh has "
                                       f"{dim}={axes[dim].size}")
-    for dim in ("tp", "pp", "dp"):
-        GROUP_ALIASES["@" + dim] = axes[dim].group_name
     device = device or runtime_device(mesh)
     pp, tp, dp = axes["pp"], axes["tp"], axes["dp"]
     sub = os.path.join(folder, f"pp{pp.rank}-tp{tp.rank}")
-    spec = importlib.util.spec_from_file_location(f"fxmegatron_stage_pp{pp.rank}_tp{tp.rank}",
-                                                  os.path.join(sub, "stage.py"))
-    stage_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stage_mod)
+    stage_mod = _load_stage(os.path.join(sub, "stage.py"), f"fxmegatron_stage_pp{pp.rank}_tp{tp.rank}",
+                            {"@" + dim: axes[dim].group_name for dim in ("tp", "pp", "dp")})
     with safe_open(os.path.join(sub, "weights.safetensors"), "pt") as f:
         param_names = set(json.loads(f.metadata()["parameters"]))
         tensors = {k: f.get_tensor(k).to(device) for k in f.keys()}

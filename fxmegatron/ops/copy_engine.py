@@ -127,9 +127,8 @@ class Workspace:
         self.handle.barrier(channel=channel)
 
 
-# Keyed by the resolved group's name and ranks, not by the name the graph passes: a compiled
-# bundle's graph names its groups by alias ("@tp", ``groups.GROUP_ALIASES``), which a
-# later mesh in the same process may point at other ranks.
+# Keyed by the resolved group's name and ranks: a later mesh in the same process may reuse
+# a group name for other ranks.
 _WORKSPACES: Dict[Tuple[str, Tuple[int, ...]], Workspace] = {}
 _RETIRED: List[Workspace] = []      # outgrown, kept: freeing symmetric memory is not this op's call
 _SIDE: Dict[int, "torch.cuda.Stream"] = {}

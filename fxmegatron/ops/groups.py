@@ -17,15 +17,11 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-# symbolic group names used by generated stage code ("@tp") -> this job's group names;
-# filled by fxmegatron.io.stage_folder when a compiled folder is written or loaded
-GROUP_ALIASES: Dict[str, str] = {}
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -33,7 +29,8 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 def resolve_group(group_name: str):
     """The torch.distributed process group named ``group_name`` (None for ``""``)."""
     if group_name.startswith("@"):
-        group_name = GROUP_ALIASES[group_name]
+        raise RuntimeError(f"group {group_name!r} is a symbolic name of generated stage code: "
+                           "fxmegatron.io.stage_folder.load_folder binds it when it loads the code")
     if not group_name:
         return None
     if group_name.startswith("sim:"):
