@@ -1,6 +1,6 @@
 """The family matrix: every HF family of tests/families.py, at tp 2 and 4, with and without
 sequence parallelism, is exact against the unmodified model or refused with a reason that
-names the node. Every cell runs the one-process translation validation (all ranks simulated,
+names the node; and at pp2 x tp2 (two microbatches). Every cell runs the one-process translation validation (all ranks simulated,
 seconds each); a representative subset also trains on gloo processes (three AdamW steps on
 different padded batches, the pad id present)."""
 import pytest
@@ -26,6 +26,21 @@ def test_cell_is_exact_or_refused(name, tp, sp):
     cov = report.coverage
     if cov.flops_split < 0.9:        # not split: the report must name what and why
         assert cov.replicated and all(why for _, _, why in cov.replicated), cov.summary()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_pipeline_cell_pp2_tp2_is_exact_or_refused(name):
+    """pp2 x tp2 with two microbatches: every simulated rank's chunks, microbatch loss
+    weighting, tied weights summed over pp, against the model on the whole batch."""
+    fam = FAMILIES[name]
+    try:
+        report = fxmegatron.verify(fam.build(), idiom_batch(fam, 0, batch_size=4), tp=2, pp=2, microbatches=2)
+    except ShardingError as exc:
+        assert " in " in str(exc) and "node " in str(exc), str(exc)
+        pytest.skip(f"refused: {exc}")
+        return
+    assert report.layout.startswith("tp=2 pp=2"), report.layout
+    assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * abs(report.loss_ref)
 
 
 GLOO = ["falcon", "gemma2", "qwen2_moe", "gpt_bigcode", "opt"]
