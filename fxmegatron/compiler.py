@@ -33,6 +33,8 @@ from fxmegatron.runtime.stages import boundary_specs, build_stage, split_batch, 
 from fxmegatron.runtime.torch_compile import compile_graph
 
 PLAN, COVERAGE = "fxmegatron/tp_plan", "fxmegatron/tp_coverage"   # keys in GraphModule.meta
+# the passes name a collective's group by its mesh axis; materialisation binds it
+TP_AXIS = "@tp"
 # data-parallel replicas see different samples: their dropout masks must differ too
 DP_SEED_STRIDE = 0x9E3779B1
 
@@ -84,9 +86,10 @@ def check_local_shapes(gm: fx.GraphModule, cap: Optional[Captured] = None) -> fx
 
 
 def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) -> List[Pass]:
-    """Every graph pass of a rank, in order. After ``localize`` the graph holds meta shards."""
+    """Every graph pass of a rank, in order. After ``localize`` the graph holds meta shards.
+    Collectives name the tp axis (``TP_AXIS``), not a process group: see ``groups``."""
     tp = axes["tp"]
-    passes = tp_passes(cap, tp.size, tp.rank, tp.group_name, cfg.sequence_parallel, cfg.seed, axes["dp"].rank)
+    passes = tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank)
     passes += [
         Pass("localize", lambda gm: assemble_local(gm, cap, gm.meta[PLAN], tp.rank, tp.size, "meta"),
              requires={"tp_rewritten"}),
@@ -127,14 +130,14 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
     gm, pipe = None, None
     if sched is None:
         gm = materialize_graph(local, cap, plan.param_plc, tp.rank, tp.size, device, cfg.state_dict, cfg.seed,
-                               source=cap.gm)
+                               source=cap.gm, groups=groups(axes))
         if cfg.compile:
             compile_graph(gm, mode)
     else:
         chunks = split_pipeline(local, pp.size * cfg.virtual_stages, blocks_per_chunk=cfg.blocks_per_chunk)
         specs = boundary_specs(chunks, placeholders)
         stage = build_stage(chunks, pp.size, pp.rank, cap, plan.param_plc, tp.rank, tp.size, device,
-                            cfg.state_dict, cfg.seed, local, source=cap.gm)
+                            cfg.state_dict, cfg.seed, local, source=cap.gm, groups=groups(axes))
         if cfg.compile:
             for m in stage.modules.values():
                 compile_graph(m, mode)
@@ -149,6 +152,11 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
         recompute=cfg.recompute_name, seed=cfg.seed, microbatches=cfg.microbatches, graph_module=gm,
         pipeline=pipe, replicated=dict(plan.replicated_params), planning_attempts=plan.attempts,
         count_tokens=count, coverage=local.meta[COVERAGE], notes=tuple(cap.notes), timings=timings)
+
+
+def groups(axes: Mapping[str, Axis]) -> dict:
+    """The binding of the passes' axis names to this rank's process groups."""
+    return {TP_AXIS: axes["tp"].group_name}
 
 
 def first_microbatch(batch, m: int, dp: int = 1):

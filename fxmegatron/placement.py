@@ -84,3 +84,17 @@ def local_shape(shape, plc: Placement, world: int):
     if isinstance(plc, Shard):
         shape[plc.dim] //= world
     return shape
+
+
+def placement_to_json(plc: Placement):
+    """The JSON form of a parameter placement (checkpoints and stage folders): "R" or
+    {"dim": d, "blocks": [...] or null}."""
+    if isinstance(plc, Shard):
+        return {"dim": plc.dim, "blocks": list(plc.blocks) if plc.blocks else None}
+    return "R"
+
+
+def placement_from_json(j) -> Placement:
+    if j == "R":
+        return R
+    return Shard(j["dim"], tuple(j["blocks"]) if j["blocks"] else None)

@@ -90,3 +90,24 @@ def test_parallelize_runs_the_same_list():
     assert [k for k in pm.timings if k not in ("capture_s", "materialize_s")] == \
         ["tensor_parallel_s", "drop_trivial_collectives_s", "counter_rng_s", "localize_s", "check_local_shapes_s",
          "recompute_s"]
+
+
+def test_passes_name_the_tp_axis_and_materialisation_binds_the_group():
+    """The passes write the mesh axis ("@tp") into the collectives; the group's name appears
+    only once the program is materialised for a job (here a made-up group name)."""
+    from fxmegatron.compiler import TP_AXIS, groups
+    from fxmegatron.ops.collectives import COLLECTIVES
+    from fxmegatron.runtime.materialize import materialize_graph
+
+    cap = _captured()
+    axes = {"dp": Axis(), "pp": Axis(), "tp": Axis(2, 0, "job-group-7", (0, 1))}
+    local = PassRunner(rank_passes(cap, axes, ParallelConfig(sequence_parallel=True, recompute="full")))(cap.gm)
+
+    def group_args(gm):
+        return {a for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+                if n.op == "call_function" and n.target in COLLECTIVES for a in n.args if isinstance(a, str)}
+
+    assert group_args(local) == {TP_AXIS}
+    bound = materialize_graph(local, cap, local.meta["fxmegatron/tp_plan"].param_plc, 0, 2, "meta",
+                              source=cap.gm, groups=groups(axes))
+    assert group_args(bound) == {"job-group-7"}

@@ -29,23 +29,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fxmegatron.errors import CheckpointError
-from fxmegatron.placement import R, Placement, Shard, join_shards, take_shard
+from fxmegatron.placement import join_shards, placement_from_json, placement_to_json, take_shard
 from fxmegatron.ops.dropout import DropoutRng
 
 FORMAT = "fxmegatron-checkpoint/1"
 
-
-
-def _plc_json(plc: Placement):
-    if isinstance(plc, Shard):
-        return {"dim": plc.dim, "blocks": list(plc.blocks) if plc.blocks else None}
-    return "R"
-
-
-def _plc_from(j) -> Placement:
-    if j == "R":
-        return R
-    return Shard(j["dim"], tuple(j["blocks"]) if j["blocks"] else None)
 
 
 def _barrier():
@@ -87,7 +75,7 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None) -> None:
         for name, p in pm.named_parameters():
             key = "model/" + name
             tensors[key] = p.detach().contiguous().cpu()
-            meta[key] = {"placement": _plc_json(pm.placement(name)), "tp_rank": pm.tp_rank,
+            meta[key] = {"placement": placement_to_json(pm.placement(name)), "tp_rank": pm.tp_rank,
                          "tp": pm.tp_size, "shape": list(pm.program.global_params[name][0])}
         names = _names(pm, optimizer)
         for p, st in (optimizer.state.items() if optimizer is not None else ()):
@@ -165,7 +153,7 @@ class _Reader:
             fpath, _ = pieces[r]
             with safe_open(fpath, "pt") as f:
                 parts.append(f.get_tensor(key))
-        full = join_shards(parts, _plc_from(m0["placement"]))
+        full = join_shards(parts, placement_from_json(m0["placement"]))
         if list(full.shape) != m0["shape"]:
             raise CheckpointError(f"{key}: reassembled shape {list(full.shape)} != saved {m0['shape']}")
         return full

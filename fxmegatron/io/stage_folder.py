@@ -32,6 +32,7 @@ from fxmegatron.errors import CompiledFolderError
 from fxmegatron.passes.recompute import Recomputed
 from fxmegatron.ops.dropout import DropoutRng
 from fxmegatron.compiler import DP_SEED_STRIDE
+from fxmegatron.placement import placement_from_json, placement_to_json
 from fxmegatron.runtime.materialize import is_module
 
 MANIFEST = "manifest.json"
@@ -180,7 +181,7 @@ def write_folder(pm, folder: str) -> None:
             "aliases": dict(prog.aliases),
             "params": [{"name": n, "shape": list(prog.global_params[n][0]),
                         "dtype": _dtype_name(prog.global_params[n][1]),
-                        "placement": _plc(prog.placements.get(n))} for n in prog.param_order],
+                        "placement": placement_to_json(prog.placements.get(n))} for n in prog.param_order],
             "sequence_parallel": prog.sequence_parallel,
             "recompute": prog.recompute,
             "chunks": [{"index": c.index, "units": c.units, "cost": c.cost, "params": c.params,
@@ -193,13 +194,6 @@ def write_folder(pm, folder: str) -> None:
         }
         with open(os.path.join(folder, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
-
-
-def _plc(p):
-    from fxmegatron.placement import Shard
-    if isinstance(p, Shard):
-        return {"dim": p.dim, "blocks": list(p.blocks) if p.blocks else None}
-    return "R"
 
 
 def _get(mod, target):
@@ -228,7 +222,6 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
     ``grad_accum_dtype``: as ``parallelize``'s."""
     from fxmegatron.mesh import mesh_axes, runtime_device
     from fxmegatron.passes.pipeline_split import Chunk
-    from fxmegatron.placement import R, Shard
     from fxmegatron.program import PipelineProgram, RankProgram
     from fxmegatron.runtime.model import ParallelModel
     from fxmegatron.runtime.stages import Stage
@@ -268,9 +261,7 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
     specs = {int(k): [TensorSpec(tuple(s["shape"]), getattr(torch, s["dtype"]), s["grad"]) for s in v]
              for k, v in man["specs"].items()}
     shared = {n: (tuple(s["shape"]), getattr(torch, s["dtype"])) for n, s in man["shared"].items()}
-    placements = {p["name"]: (R if p["placement"] == "R" else
-                              Shard(p["placement"]["dim"], tuple(p["placement"]["blocks"])
-                                    if p["placement"]["blocks"] else None)) for p in man["params"]}
+    placements = {p["name"]: placement_from_json(p["placement"]) for p in man["params"]}
     program = RankProgram(
         axes=axes, device=torch.device(device), in_spec=pytree.treespec_loads(man["in_spec"]),
         input_names=tuple(man.get("input_names") or [f"input {i}" for i in range(len(man["batch"]))]),

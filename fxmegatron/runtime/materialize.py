@@ -80,11 +80,13 @@ def local_parameter(name: str, model_tensor: torch.Tensor, plc: Placement, rank:
 def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str, Placement], rank: int,
                       world: int, device, state_dict: Optional[Mapping] = None, seed: int = 0,
                       source: Optional[fx.GraphModule] = None,
-                      params: Optional[Dict[str, torch.nn.Parameter]] = None) -> fx.GraphModule:
+                      params: Optional[Dict[str, torch.nn.Parameter]] = None,
+                      groups: Optional[Mapping[str, str]] = None) -> fx.GraphModule:
     """``gm``'s graph with this rank's parameter shards, the buffers, constants and
     submodules it uses, on ``device`` ("meta": local shapes, no values). Constants are
     taken from ``source`` where it has them (the graph before it went to meta). ``params``
-    (name -> shard) is shared between calls, so chunks of one rank share a weight."""
+    (name -> shard) is shared between calls, so chunks of one rank share a weight.
+    ``groups`` binds the passes' axis names ("@tp") to this job's process groups."""
     params = {} if params is None else params
     root = {}
     for node in gm.graph.nodes:
@@ -107,7 +109,22 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
             root[t] = gm.get_submodule(t)
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return retarget_device(fx.GraphModule(root, graph), device)
+    return bind_groups(retarget_device(fx.GraphModule(root, graph), device), groups or {})
+
+
+def bind_groups(gm: fx.GraphModule, groups: Mapping[str, str]) -> fx.GraphModule:
+    """The passes name a collective's group by its mesh axis ("@tp"): here, in ``gm`` and the
+    graphs inside it (recomputed regions), each becomes the process group's name."""
+    if not groups:
+        return gm
+    for mod in gm.modules():
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        for n in mod.graph.nodes:
+            if n.op == "call_function" and any(isinstance(a, str) and a in groups for a in n.args):
+                n.args = tuple(groups[a] if isinstance(a, str) and a in groups else a for a in n.args)
+        mod.recompile()
+    return gm
 
 
 def is_module(gm: nn.Module, target: str) -> bool:

@@ -1,10 +1,11 @@
 """A layout's pipeline and data-parallel parts, run on simulated tensor-parallel ranks.
 
 For each data-parallel replica and tensor-parallel rank, the rank's program is built
-as ``parallelize`` builds it: ``transform_rank`` (with the replica's rank, which keys
-its dropout), ``assemble_local``, recompute, then, with a pipeline, the cut into
+as ``parallelize`` builds it: the compiler's pass list (``compiler.rank_passes``: the
+tp rewrite, dropout keyed by the replica's rank, meta shards, recompute), then, with a
+pipeline, the cut into
 pp·v chunks (``split_pipeline``), the boundary shapes (``boundary_specs``) and one
-``build_stage`` per pipeline rank, so that a weight held by two pipeline ranks (a
+``build_stage`` per pipeline rank (the axis names bound to the simulated group), so that a weight held by two pipeline ranks (a
 tied embedding and LM head) is two parameters, as on a cluster.
 
 One thread per tensor-parallel rank then runs every chunk of its program, in chunk
@@ -32,7 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxmegatron.capture import Captured
-from fxmegatron.compiler import COVERAGE, PLAN, rank_passes
+from fxmegatron.compiler import COVERAGE, PLAN, groups, rank_passes
 from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import VerificationError
 from fxmegatron.mesh import Axis
@@ -96,7 +97,8 @@ def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_
     local = PassRunner(rank_passes(cap, axes, cfg))(gm)     # meta shards of the local shapes
     plan = local.meta[PLAN]
     if not lay.pipelined:
-        whole = materialize_graph(local, cap, plan.param_plc, tp_rank, lay.tp, "cpu", None, seed, source=gm)
+        whole = materialize_graph(local, cap, plan.param_plc, tp_rank, lay.tp, "cpu", None, seed, source=gm,
+                                  groups=groups(axes))
         if dropout:
             whole.eval()
         n_inputs = sum(1 for n in whole.graph.nodes if n.op == "placeholder")
@@ -105,7 +107,7 @@ def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_
         chunks = split_pipeline(local, lay.n_chunks, blocks_per_chunk=lay.blocks_per_chunk)
         specs = boundary_specs(chunks, [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"])
         stages = [build_stage(chunks, lay.pp, r, cap, plan.param_plc, tp_rank, lay.tp, "cpu", None, seed, local,
-                              source=gm) for r in range(lay.pp)]
+                              source=gm, groups=groups(axes)) for r in range(lay.pp)]
         modules = {k: mod for st in stages for k, mod in st.modules.items()}
         if dropout:
             for mod in modules.values():
