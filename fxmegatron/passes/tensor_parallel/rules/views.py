@@ -46,6 +46,16 @@ def getitem(state, node):
     state.set(node, src[node.args[1]] if isinstance(src, tuple) else R, state.orig(node.args[0]))
 
 
+def _unsplit_input(state, node, x, p):
+    """A reshape of a value that is not split: unknown -> replicated, a partial sum stays
+    partial (with its deferred bias where the last dim is kept), anything else carried."""
+    if p is None:
+        return replicate_all(state, node, "")
+    if isinstance(p, Partial):
+        return state.set(node, p if state.carry_bias(x, node) else R)
+    return state.set(node, p)
+
+
 @register(aten.view, aten.reshape, aten._unsafe_view)
 def view(state, node):
     """Reshapes keeping the split on the dim it lands in (e.g. [b, s, h*d] -> [b, s, h, d]:
@@ -60,12 +70,8 @@ def view(state, node):
     stays partial (with its deferred bias)."""
     x = node.args[0]
     p = state.get(x)
-    if p is None:
-        return replicate_all(state, node, "")
-    if isinstance(p, Partial):
-        return state.set(node, p if state.carry_bias(x, node) else R)
     if not isinstance(p, Shard):
-        return state.set(node, p)
+        return _unsplit_input(state, node, x, p)
     ins = list(val(x).shape)
     outs = list(val(node).shape)
     d = norm(p.dim, len(ins))
@@ -119,12 +125,8 @@ def flatten(state, node):
         return replicate_all(state, node, f"is {node.target}, not flatten.using_ints")
     x = node.args[0]
     p = state.get(x)
-    if p is None:
-        return replicate_all(state, node, "")
-    if isinstance(p, Partial):
-        return state.set(node, p if state.carry_bias(x, node) else R)
     if not isinstance(p, Shard):
-        return state.set(node, p)
+        return _unsplit_input(state, node, x, p)
     ins = list(val(x).shape)
     nd = len(ins)
     start = norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0), nd)
