@@ -50,7 +50,7 @@ def main():
 
     t0 = time.perf_counter()
     local = assemble_local(cap.gm, cap, plan, args.rank, args.tp, "meta")
-    _check_local_shapes(local, cap)
+    _check_local_shapes(local)
     t_local = time.perf_counter() - t0
     local_params = sum(p.numel() for p in local.parameters())
     total = time.perf_counter() - t_start

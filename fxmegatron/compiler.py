@@ -59,13 +59,6 @@ def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_pa
     return passes
 
 
-def transform_rank(gm: fx.GraphModule, cap: Captured, tp: int, tp_rank: int, group_name: str,
-                   sequence_parallel: bool, seed: int, dp_rank: int = 0) -> TPPlan:
-    """``tp_passes`` on ``gm``, in place; returns the plan."""
-    gm = PassRunner(tp_passes(cap, tp, tp_rank, group_name, sequence_parallel, seed, dp_rank))(gm)
-    return gm.meta[PLAN]
-
-
 def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, world: int, device,
                    state_dict: Optional[Mapping] = None, seed: int = 0) -> fx.GraphModule:
     """The rank's GraphModule: its parameter shards, buffers and submodules, on ``device``."""
@@ -74,7 +67,7 @@ def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, w
     return local
 
 
-def check_local_shapes(gm: fx.GraphModule, cap: Optional[Captured] = None) -> fx.GraphModule:
+def check_local_shapes(gm: fx.GraphModule) -> fx.GraphModule:
     """Propagate fake tensors with the local shards: shapes of the rewritten graph must be
     consistent, and each node ends up with its local value in meta["val"]."""
     try:
@@ -106,8 +99,8 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) ->
 
 def compile_program(model: nn.Module, example_batch, axes: Mapping[str, Axis], device,
                     cfg: ParallelConfig, debug: bool = False) -> RankProgram:
-    """This rank's program. ``debug``: the fake shape check after every pass."""
-    cfg.make_schedule(axes["pp"].size)     # checks the layout before the (long) transformation
+    """This rank's program. ``debug``: the fake shape check after every pass. (``parallelize``
+    has checked the layout before it comes here.)"""
     t0 = time.perf_counter()
     cap = capture(model, first_microbatch(example_batch, cfg.microbatches, axes["dp"].size))
     return compile_captured(cap, axes, device, cfg, debug, {"capture_s": time.perf_counter() - t0})

@@ -91,11 +91,6 @@ class ParallelModel(nn.Module):
         ``torch.distributed.optim.ZeroRedundancyOptimizer(..., process_group=pm.dp_group)``."""
         return self.program.axes["dp"].group
 
-    @property
-    def _device(self) -> torch.device:
-        # on the device the process groups' backend serves (NCCL takes no CPU tensors)
-        return next((p.device for p in self.parameters()), torch.device("cpu"))
-
     def _flat(self, args, kwargs):
         if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list, dict)):
             args, kwargs = batch_args(args[0])
@@ -153,7 +148,7 @@ class ParallelModel(nn.Module):
             self._grad_sync.finish()
         if self._runner is not None:
             pipe, pp = self.program.pipeline, self.program.axes["pp"]
-            sum_shared_grads(pipe.stage.params, pipe.stage.shared, pp, self._runner.device)
+            sum_shared_grads(pipe.stage.params, pipe.stage.shared, pp, self.program.device)
             total = self._broadcast_loss(total)
         if self.dp_size > 1:
             total = total.detach().float().clone()
@@ -167,7 +162,7 @@ class ParallelModel(nn.Module):
         if self.program.count_tokens is None:
             return loss_weights(None, 0, self.dp_size, len(micro))
         counts = [float(self.program.count_tokens(mb)) for mb in micro]
-        total = torch.tensor(sum(counts), dtype=torch.float64, device=self._device)
+        total = torch.tensor(sum(counts), dtype=torch.float64, device=self.program.device)
         if self.dp_size > 1:
             dist.all_reduce(total, group=self.dp_group)
         return loss_weights(counts, total.item(), self.dp_size, len(micro))
@@ -176,7 +171,7 @@ class ParallelModel(nn.Module):
         if self.pp_size == 1:
             return total
         ax = self.program.axes["pp"]
-        t = total.float().reshape(()) if total is not None else torch.zeros((), device=self._runner.device)
+        t = total.float().reshape(()) if total is not None else torch.zeros((), device=self.program.device)
         dist.broadcast(t, src=ax.ranks[-1], group=ax.group)
         return t
 
@@ -189,7 +184,7 @@ class ParallelModel(nn.Module):
         """The norm of the whole (unsplit) model's gradient, as ``torch.nn.utils.clip_grad_norm_``
         on the unmodified model computes it (fp32, on the device, no host sync). Collective over
         tp and pp (every rank must call it)."""
-        return grad_norm(self.named_parameters(), self._holders_of, self.program.axes, self._device)
+        return grad_norm(self.named_parameters(), self._holders_of, self.program.axes, self.program.device)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that the norm of the whole (unsplit) model's gradient is at most
@@ -211,7 +206,7 @@ class ParallelModel(nn.Module):
         out = {n: gather_tp(p, self.placement(n), tp) for n, p in self.named_parameters()}
         if self._runner is not None and self.pp_size > 1:
             out = gather_stages(out, self.program.param_order, self.program.global_params, self._holders,
-                                self.program.axes["pp"], self._runner.device)
+                                self.program.axes["pp"], self.program.device)
         for alias, canon in self.program.aliases.items():
             if canon in out:
                 out[alias] = out[canon]
