@@ -59,3 +59,21 @@ class CheckpointError(FxMegatronError, RuntimeError):
 
 class CompiledFolderError(FxMegatronError, RuntimeError):
     """A compiled stage folder that is missing, of another layout, or cannot be emitted."""
+
+
+class ConfigError(FxMegatronError, ValueError):
+    """A trainer config that is wrong: an unknown or mistyped key, a layout that does not fit
+    the world size, a missing file. Raised before any process group work."""
+
+
+class DataError(FxMegatronError, ValueError):
+    """Training data that cannot be read as asked (a missing file, a token file whose size is not
+    a whole number of tokens, tokens outside the model's vocabulary, too few tokens)."""
+
+
+class TrainingError(FxMegatronError, RuntimeError):
+    """A training run that must stop: a non-finite loss or gradient norm, a failed or stalled rank."""
+
+
+class ExportError(FxMegatronError, RuntimeError):
+    """A checkpoint that cannot be written back as a Hugging Face folder."""
