@@ -1,5 +1,8 @@
 """``fxmegatron`` command line.
 
+    fxmegatron train CONFIG.toml [--dry-run] [--set section.key=value]   (under torchrun: see fxmegatron.train.main)
+    fxmegatron export CHECKPOINT OUTDIR      (a trainer checkpoint -> a Hugging Face folder)
+
     fxmegatron verify --factory FILE.py:FUNCTION --tp 2,4 [--sequence-parallel both] [--recompute full]
                       [--pp 1,2 --virtual-stages 2 --microbatches 4 --dp 2]
     fxmegatron compile --factory FILE.py:FUNCTION --pp 2 --tp 2 --microbatches 4 --out FOLDER
@@ -144,10 +147,19 @@ def main(argv=None):
         return compile_main(rest)
     if cmd == "verify":
         return verify_main(rest)
+    if cmd == "train":
+        from fxmegatron.train.main import main as train
+        return train(rest)
+    if cmd == "export":
+        from fxmegatron.train.export import main as export
+        return export(rest)
+    if cmd == "launch":
+        from fxmegatron.launch import main as launch
+        return launch(rest)
     if cmd == "schedule":
         from fxmegatron.schedules.draw import main as draw
         return draw(rest)
-    raise SystemExit(f"fxmegatron: unknown command {cmd!r} (verify, compile, schedule)")
+    raise SystemExit(f"fxmegatron: unknown command {cmd!r} (train, export, verify, compile, launch, schedule)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,308 @@
+"""The trainer's config file: one TOML file, every key declared here with its type, default and
+meaning (``docs/TRAINER.md`` is written from this table; a test checks they agree).
+
+Checking happens before any process group work, so a mistake ends the job with one line
+naming the key: an unknown or mistyped key (with the closest known one), a value of the
+wrong type or outside its choices, a missing required key, a layout that does not fit the
+world size, a file that does not exist.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from fxmegatron.errors import ConfigError
+
+try:                            # Python 3.11+
+    import tomllib
+except ImportError:             # pragma: no cover - Python 3.10
+    import tomli as tomllib     # type: ignore[no-redef]
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Key:
+    section: str
+    name: str
+    types: Tuple[type, ...]
+    default: Any
+    doc: str
+    choices: Optional[Tuple[Any, ...]] = None
+    minimum: Optional[float] = None
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+def _k(section, name, types, default, doc, choices=None, minimum=None):
+    types = types if isinstance(types, tuple) else (types,)
+    return Key(section, name, types, default, doc, choices, minimum)
+
+
+STR, INT, FLOAT, BOOL, LIST = str, int, (int, float), bool, (str, list)
+
+KEYS: List[Key] = [
+    # ---- run ----
+    _k("run", "out", STR, "runs/train", "output folder: loss.csv, TensorBoard events, loss.png, checkpoints/"),
+    _k("run", "steps", INT, REQUIRED, "optimizer steps to train for", minimum=1),
+    _k("run", "seed", INT, 0, "seed of the initial weights, the data order and dropout"),
+    _k("run", "device", STR, "auto", "cpu, cuda, or auto (cuda when there is a GPU per process)",
+       choices=("auto", "cpu", "cuda")),
+    _k("run", "precision", STR, "fp32", "fp32, or bf16 (bf16 parameters, fp32 master weights and moments in "
+       "FusedAdamW, fp32 gradient accumulation over microbatches)", choices=("fp32", "bf16")),
+    _k("run", "on_nonfinite", STR, "stop", "a NaN/inf loss or gradient norm: stop the run naming the step, or "
+       "skip that step's update", choices=("stop", "skip")),
+    _k("run", "watchdog_s", FLOAT, 600.0, "a rank that makes no progress within a step for this many seconds "
+       "ends the whole job, naming the rank and where it stood", minimum=1),
+    _k("run", "first_step_s", FLOAT, 1800.0, "the same allowance for the first step (compilation happens there)",
+       minimum=1),
+    _k("run", "log_every", INT, 0, "when stdout is not a terminal: a progress line every N steps "
+       "(0: steps / 10)", minimum=0),
+    _k("run", "peak_tflops", FLOAT, 0.0, "peak TFLOP/s per device for the MFU column (0: H100/H200 bf16 "
+       "dense 989 on cuda, none on cpu)", minimum=0),
+    # ---- model ----
+    _k("model", "kind", STR, "gpt", "gpt (the bundled GPT), hf (a Hugging Face causal LM saved with "
+       "save_pretrained, read offline), or factory (FILE.py:FN returning a model)",
+       choices=("gpt", "hf", "factory")),
+    _k("model", "path", STR, "", "hf: the model's directory; factory: FILE.py:FN"),
+    _k("model", "gpt", dict, {}, "kind = gpt: GPTConfig fields (n_layer, n_head, n_embd, dropout, "
+       "tie_embeddings, bias; vocab_size and block_size come from the data)"),
+    # ---- data ----
+    _k("data", "kind", STR, "text", "text (plain text files, tokenized) or tokens (a flat .bin file of "
+       "token ids, Megatron's and nanoGPT's convention)", choices=("text", "tokens")),
+    _k("data", "train", LIST, REQUIRED, "training file(s): a path or a list of paths"),
+    _k("data", "valid", LIST, [], "held-out file(s); when empty, the last valid_fraction of the training "
+       "tokens is held out"),
+    _k("data", "valid_fraction", FLOAT, 0.1, "share of the training tokens held out when valid is empty",
+       minimum=0),
+    _k("data", "token_dtype", STR, "uint16", "kind = tokens: uint16 or uint32", choices=("uint16", "uint32")),
+    _k("data", "tokenizer", STR, "bytes", "kind = text: bytes (UTF-8 bytes, vocabulary 256) or the directory "
+       "of a Hugging Face tokenizer (save_pretrained form)"),
+    _k("data", "seq_len", INT, REQUIRED, "tokens per sequence (sequences are packed: documents concatenated)",
+       minimum=1),
+    _k("data", "global_batch", INT, REQUIRED, "sequences per optimizer step, over all data-parallel ranks",
+       minimum=1),
+    # ---- layout ----
+    _k("layout", "dp", INT, 1, "data-parallel replicas", minimum=1),
+    _k("layout", "pp", INT, 1, "pipeline stages", minimum=1),
+    _k("layout", "cp", INT, 1, "context parallelism: not yet (only 1)", choices=(1,)),
+    _k("layout", "tp", INT, 1, "tensor-parallel ranks", minimum=1),
+    _k("layout", "sequence_parallel", BOOL, False, "norms, dropout and residuals on sequence shards (tp > 1)"),
+    _k("layout", "recompute", STR, "none", "activation recomputation", choices=("none", "selective", "full")),
+    _k("layout", "virtual_stages", INT, 1, "model chunks per pipeline rank (interleaved 1F1B)", minimum=1),
+    _k("layout", "microbatches", INT, 1, "microbatches per step and data-parallel rank", minimum=1),
+    _k("layout", "schedule", STR, "", "gpipe, 1f1b or interleaved (empty: 1f1b, interleaved with "
+       "virtual_stages > 1)", choices=("", "gpipe", "1f1b", "interleaved")),
+    _k("layout", "fuse", BOOL, False, "fxmegatron's generated Triton kernels for elementwise chains"),
+    _k("layout", "compile", BOOL, False, "torch.compile each rank's graph (not with fuse)"),
+    _k("layout", "overlap", INT, 0, "with sequence_parallel: cut each tensor-parallel all-gather and "
+       "reduce-scatter into this many pieces overlapped with the matmuls (0: off; GPU)", minimum=0),
+    # ---- optim ----
+    _k("optim", "lr", FLOAT, 3e-4, "peak learning rate", minimum=0),
+    _k("optim", "min_lr", FLOAT, 3e-5, "learning rate at the end of the decay", minimum=0),
+    _k("optim", "warmup_steps", INT, 0, "linear warmup from 0 to lr", minimum=0),
+    _k("optim", "decay", STR, "cosine", "after warmup: cosine or linear to min_lr at the last step, "
+       "constant, or wsd (constant, then linear to min_lr over the last wsd_fraction of the steps)",
+       choices=("cosine", "linear", "constant", "wsd")),
+    _k("optim", "wsd_fraction", FLOAT, 0.2, "decay = wsd: share of the steps spent decaying", minimum=0),
+    _k("optim", "weight_decay", FLOAT, 0.1, "decoupled weight decay, on matrices only (not on biases, norms "
+       "or any other parameter of fewer than 2 dims)", minimum=0),
+    _k("optim", "beta1", FLOAT, 0.9, "AdamW's beta1", minimum=0),
+    _k("optim", "beta2", FLOAT, 0.95, "AdamW's beta2", minimum=0),
+    _k("optim", "eps", FLOAT, 1e-8, "AdamW's eps", minimum=0),
+    _k("optim", "grad_clip", FLOAT, 1.0, "clip the whole model's gradient norm to this (0: no clipping)",
+       minimum=0),
+    _k("optim", "fused", BOOL, True, "fxmegatron's FusedAdamW (fp32 masters; one kernel on GPU) rather "
+       "than torch.optim.AdamW"),
+    # ---- eval ----
+    _k("eval", "every", INT, 0, "evaluate on the held-out split every N steps and at the end (0: only at "
+       "the end)", minimum=0),
+    _k("eval", "batches", INT, 2, "held-out global batches per evaluation (always the same ones)", minimum=1),
+    # ---- checkpoint ----
+    _k("checkpoint", "dir", STR, "", "checkpoint folder (empty: OUT/checkpoints)"),
+    _k("checkpoint", "every", INT, 0, "save every N steps (0: only at the end and at SIGTERM)", minimum=0),
+    _k("checkpoint", "keep", INT, 3, "keep the last K checkpoints", minimum=1),
+    _k("checkpoint", "resume", STR, "auto", "auto (the latest complete checkpoint in dir, if any), none, or "
+       "a checkpoint folder"),
+    # ---- log ----
+    _k("log", "tensorboard", BOOL, True, "write TensorBoard event files to OUT/tensorboard"),
+    _k("log", "plot", BOOL, True, "write OUT/loss.png at the end"),
+]
+
+SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))
+_BY_PATH = {k.path: k for k in KEYS}
+
+
+def _closest(word: str, options) -> str:
+    near = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _check_value(key: Key, value, where: str):
+    if key.types == (dict,) and not isinstance(value, dict):
+        raise ConfigError(f"{where}: {key.path} must be a table, got {value!r}")
+    ok = isinstance(value, key.types) and not (isinstance(value, bool) and bool not in key.types)
+    if not ok:
+        want = " or ".join(sorted({"list of strings" if t is list else t.__name__ for t in key.types}))
+        raise ConfigError(f"{where}: {key.path} = {value!r} must be {want}")
+    if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: {key.path} must be a path or a list of paths, got {value!r}")
+    if key.choices is not None and value not in key.choices:
+        raise ConfigError(f"{where}: {key.path} = {value!r} is not one of {', '.join(map(repr, key.choices))}")
+    if key.minimum is not None and isinstance(value, (int, float)) and value < key.minimum:
+        raise ConfigError(f"{where}: {key.path} = {value!r} must be >= {key.minimum:g}")
+    return float(value) if key.types == FLOAT else value
+
+
+class Config:
+    """The checked config: ``cfg.section.name`` (e.g. ``cfg.layout.tp``) and ``cfg.source`` (the
+    file). Relative paths in it are relative to the config file's folder."""
+
+    def __init__(self, values: Dict[str, Dict[str, Any]], source: str):
+        self.source = source
+        self.values = values
+        for section, d in values.items():
+            setattr(self, section, _Section(d))
+
+    def as_dict(self) -> Dict[str, Dict[str, Any]]:
+        return {s: dict(d) for s, d in self.values.items()}
+
+
+class _Section:
+    def __init__(self, d):
+        self.__dict__.update(d)
+
+
+def from_dict(raw: Dict[str, Any], where: str = "config", base_dir: str = ".",
+              overrides: Optional[List[str]] = None) -> Config:
+    """Check ``raw`` (the parsed TOML) against ``KEYS``; fill in defaults; resolve paths."""
+    raw = {s: dict(v) if isinstance(v, dict) else v for s, v in raw.items()}
+    for item in overrides or []:
+        _apply_override(raw, item, where)
+    values: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
+    for section, table in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{where}: unknown section [{section}]{_closest(section, SECTIONS)}; sections: "
+                              f"{', '.join(SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: {section} must be a table ([{section}])")
+        known = [k.name for k in KEYS if k.section == section]
+        for name, value in table.items():
+            if name not in known:
+                raise ConfigError(f"{where}: unknown key {section}.{name}{_closest(name, known)}")
+            values[section][name] = _check_value(_BY_PATH[f"{section}.{name}"], value, where)
+    for key in KEYS:
+        if key.name not in values[key.section]:
+            if key.default is REQUIRED:
+                raise ConfigError(f"{where}: {key.path} is required ({key.doc})")
+            values[key.section][key.name] = (list(key.default) if isinstance(key.default, list)
+                                              else dict(key.default) if isinstance(key.default, dict)
+                                              else key.default)
+    for name in ("train", "valid"):
+        v = values["data"][name]
+        values["data"][name] = [_path(base_dir, p) for p in ([v] if isinstance(v, str) else v)]
+    for section, name in (("run", "out"), ("checkpoint", "dir")):
+        if values[section][name]:
+            values[section][name] = _path(base_dir, values[section][name])
+    if values["checkpoint"]["resume"] not in ("auto", "none"):
+        values["checkpoint"]["resume"] = _path(base_dir, values["checkpoint"]["resume"])
+    if not values["checkpoint"]["dir"]:
+        values["checkpoint"]["dir"] = os.path.join(values["run"]["out"], "checkpoints")
+    m = values["model"]
+    if m["kind"] == "hf" or (m["kind"] == "factory" and ".py:" in m["path"]):
+        m["path"] = _path(base_dir, m["path"])
+    if values["data"]["kind"] == "text" and values["data"]["tokenizer"] != "bytes":
+        values["data"]["tokenizer"] = _path(base_dir, values["data"]["tokenizer"])
+    return Config(values, where)
+
+
+def _path(base_dir: str, p: str) -> str:
+    return p if os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
+
+
+def _apply_override(raw: dict, item: str, where: str) -> None:
+    """``section.key=value`` from the command line; the value is parsed as TOML (strings may be bare)."""
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r}: expected section.key=value")
+    path, text = item.split("=", 1)
+    section, name = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    raw.setdefault(section, {})
+    if not isinstance(raw[section], dict):
+        raise ConfigError(f"{where}: {section} must be a table")
+    raw[section][name] = value
+
+
+def load(path: str, overrides: Optional[List[str]] = None) -> Config:
+    """Read and check the TOML file at ``path`` (``overrides``: ``section.key=value`` strings)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return from_dict(raw, path, os.path.dirname(os.path.abspath(path)), overrides)
+
+
+def check_world(cfg: Config, world: int) -> None:
+    """The layout against the number of processes, and the batch against the layout."""
+    lay = cfg.layout
+    product = lay.dp * lay.pp * lay.cp * lay.tp
+    if product != world:
+        raise ConfigError(f"{cfg.source}: layout dp {lay.dp} x pp {lay.pp} x cp {lay.cp} x tp {lay.tp} = {product}, "
+                          f"but {world} processes were started (torchrun --nproc_per_node): they must be equal")
+    b = cfg.data.global_batch
+    if b % (lay.dp * lay.microbatches):
+        raise ConfigError(f"{cfg.source}: data.global_batch {b} must be divisible by layout.dp {lay.dp} x "
+                          f"layout.microbatches {lay.microbatches} = {lay.dp * lay.microbatches}")
+    if lay.sequence_parallel and lay.tp == 1:
+        raise ConfigError(f"{cfg.source}: layout.sequence_parallel needs layout.tp > 1")
+    if lay.fuse and lay.compile:
+        raise ConfigError(f"{cfg.source}: layout.fuse and layout.compile are alternatives; pick one")
+    if lay.virtual_stages > 1 and lay.pp == 1:
+        raise ConfigError(f"{cfg.source}: layout.virtual_stages {lay.virtual_stages} needs layout.pp > 1")
+
+
+def check_files(cfg: Config) -> None:
+    """Every file the run reads exists (data, tokenizer, model)."""
+    for p in cfg.data.train + cfg.data.valid:
+        if not os.path.isfile(p):
+            raise ConfigError(f"{cfg.source}: data file {p} does not exist")
+    if cfg.data.kind == "text" and cfg.data.tokenizer != "bytes" and not os.path.isdir(cfg.data.tokenizer):
+        raise ConfigError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer} is not a directory (a Hugging Face "
+                          f"tokenizer saved with save_pretrained), nor 'bytes'")
+    m = cfg.model
+    if m.kind == "hf" and not os.path.isfile(os.path.join(m.path, "config.json")):
+        raise ConfigError(f"{cfg.source}: model.path {m.path or '(empty)'} has no config.json (a model saved with "
+                          "save_pretrained)")
+    if m.kind == "factory":
+        where = m.path.rsplit(":", 1)[0] if ":" in m.path else ""
+        if not where or (where.endswith(".py") and not os.path.isfile(where)):
+            raise ConfigError(f"{cfg.source}: model.path {m.path!r}: expected FILE.py:FUNCTION of an existing file")
+    if m.kind != "gpt" and m.gpt:
+        raise ConfigError(f"{cfg.source}: [model.gpt] is for model.kind = 'gpt', not {m.kind!r}")
+    r = cfg.checkpoint.resume
+    if r not in ("auto", "none") and not os.path.isdir(r):
+        raise ConfigError(f"{cfg.source}: checkpoint.resume {r} is not a folder")
+
+
+def markdown() -> str:
+    """The table of every key, as docs/TRAINER.md shows it."""
+    lines = []
+    for section in SECTIONS:
+        lines += [f"### [{section}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for k in (k for k in KEYS if k.section == section):
+            t = ("number" if k.types == FLOAT else "path or list of paths" if k.types == LIST
+                 else "table" if k.types == (dict,) else k.types[0].__name__)
+            d = "required" if k.default is REQUIRED else repr(k.default).replace("'", '"')
+            lines.append(f"| `{k.path}` | {t} | {d} | {k.doc} |")
+        lines.append("")
+    return "\n".join(lines)
