@@ -7,12 +7,15 @@ N = dp * pp * tp, with pp and tp as compiled. Batches are causal-LM batches
 tokens (``--data random``), shaped like the compiled example batch: rows =
 microbatch rows * microbatches * dp. Each step prints the loss on rank 0;
 ``--losses FILE`` writes them as JSON.
+
+FOLDER is code: its stage.py files run in every process. Before anything else (the process
+group included), every file is checked against the SHA-256 the manifest records, and a
+folder changed since it was written is refused (``check_folder``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -46,11 +49,12 @@ def main(argv=None):
                     help="auto: cuda (nccl) when there is one GPU per local process, else cpu (gloo)")
     args = ap.parse_args(argv)
 
-    from fxmegatron.io.stage_folder import MANIFEST, load_folder
+    from fxmegatron.io.stage_folder import check_folder, load_folder
     from fxmegatron.runtime.distributed import init_from_env, make_mesh
 
-    with open(os.path.join(args.folder, MANIFEST)) as f:
-        man = json.load(f)
+    # before the process group: a refused folder then fails on every rank alone, at once
+    checked = check_folder(args.folder)
+    man = checked.manifest
     env = init_from_env(args.device)
     world = env.world
     pp, tp = man["layout"]["pp"], man["layout"]["tp"]
@@ -58,7 +62,7 @@ def main(argv=None):
     if dp * pp * tp != world:
         raise SystemExit(f"dp={dp} x pp={pp} x tp={tp} (compiled) != {world} processes")
     mesh = make_mesh(env, dp=dp, pp=pp, tp=tp)
-    pm = load_folder(args.folder, mesh)
+    pm = load_folder(checked, mesh)
     spec = pytree.treespec_loads(man["in_spec"])
     rows, seq = man["batch"][0]["shape"][0] * man["microbatches"] * dp, man["batch"][0]["shape"][1]
     data = None
@@ -90,4 +94,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fxmegatron.errors import CompiledFolderError
+    try:
+        sys.exit(main())
+    except CompiledFolderError as exc:     # the message says it all; a traceback would bury it
+        sys.exit(f"fxmegatron.launch: CompiledFolderError: {exc}")

@@ -1,12 +1,17 @@
 """`fxmegatron compile` writes each rank's stage modules as Python source and safetensors
 weights; `torchrun -m fxmegatron.launch FOLDER` trains from them and reproduces the losses of
-parallelize() in-process (4 gloo processes)."""
+parallelize() in-process (4 gloo processes). A folder changed after it was written is refused
+before any of its code runs or any weight is read."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from fxmegatron.errors import CompiledFolderError
+from fxmegatron.io import stage_folder
 
 from tests.distributed import run_distributed
 from tests.workers import inprocess_lm_losses
@@ -57,3 +62,110 @@ def test_launch_refuses_a_layout_it_was_not_compiled_for(folder):
                         "-m", "fxmegatron.launch", folder, "--steps", "1", "--device", "cpu"],
                        env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "!= 2 processes" in r.stderr + r.stdout
+
+
+# ---- a compiled folder is code: changed files are refused -------------------------------------
+@pytest.fixture
+def rank0_mesh():
+    """Rank 0 of a pp=2 x tp=2 mesh in this process, on torch's fake process group (its
+    collectives do nothing): enough for load_folder to execute rank 0's stage.py."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def copied(folder, tmp_path):
+    return shutil.copytree(folder, str(tmp_path / "copy"))
+
+
+@pytest.fixture
+def no_weights_read(monkeypatch):
+    """The paths load_folder opened as weights: none, when it refused the folder in time."""
+    reads = []
+
+    def refuse_to_read(path, *args, **kwargs):
+        reads.append(path)
+        raise AssertionError(f"read {path}")
+    monkeypatch.setattr(stage_folder, "safe_open", refuse_to_read)
+    return reads
+
+
+def _replace(path, old: bytes, new: bytes):
+    """``old`` -> ``new`` where it first occurs; the test passes two that differ in one byte."""
+    data = open(path, "rb").read()
+    assert len(old) == len(new) and sum(a != b for a, b in zip(old, new)) == 1
+    at = data.index(old)
+    open(path, "wb").write(data[:at] + new + data[at + len(old):])
+
+
+def _flip_last_byte(path):
+    """The last byte of a safetensors file is tensor data: the header cannot notice."""
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 1
+    open(path, "wb").write(bytes(data))
+
+
+def _refused(copied, mesh, name, *words):
+    with pytest.raises(CompiledFolderError) as exc:
+        stage_folder.load_folder(copied, mesh)
+    for w in (name,) + words:
+        assert w in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("rank_dir", ["pp0-tp0", "pp1-tp1"])   # the one rank 0 runs, and another's
+def test_a_changed_stage_py_is_refused_before_it_runs(copied, rank0_mesh, no_weights_read, rank_dir):
+    # executed, the changed file raises ModuleNotFoundError (torcx): a CompiledFolderError
+    # instead shows the check came before its first line ran
+    _replace(os.path.join(copied, rank_dir, "stage.py"), b"import torch\n", b"import torcx\n")
+    _refused(copied, rank0_mesh, f"{rank_dir}/stage.py", "modified after the folder was written",
+             "only run folders you trust")
+    assert not no_weights_read
+
+
+def test_a_changed_weights_byte_is_refused(copied, rank0_mesh, no_weights_read):
+    _flip_last_byte(os.path.join(copied, "pp0-tp0", "weights.safetensors"))
+    _refused(copied, rank0_mesh, "pp0-tp0/weights.safetensors", "modified after the folder was written")
+    assert not no_weights_read
+
+
+def test_a_missing_file_is_refused(copied, rank0_mesh, no_weights_read):
+    os.remove(os.path.join(copied, "pp1-tp0", "weights.safetensors"))
+    _refused(copied, rank0_mesh, "pp1-tp0/weights.safetensors", "missing")
+    assert not no_weights_read
+
+
+def test_an_added_py_file_is_refused(copied, rank0_mesh):
+    open(os.path.join(copied, "pp0-tp0", "helpers.py"), "w").write("raise SystemExit('ran')\n")
+    _refused(copied, rank0_mesh, "pp0-tp0/helpers.py", "not recorded")
+
+
+def test_a_manifest_without_hashes_is_refused(copied, rank0_mesh):
+    path = os.path.join(copied, "manifest.json")
+    man = json.load(open(path))
+    del man["files"]
+    json.dump(man, open(path, "w"))
+    _refused(copied, rank0_mesh, path, "recompile")
+
+
+def test_an_untouched_folder_loads(folder, rank0_mesh):
+    checked = stage_folder.check_folder(folder)
+    assert sorted(checked.manifest["files"]) == [f"pp{p}-tp{t}/{f}" for p in (0, 1) for t in (0, 1)
+                                                 for f in ("stage.py", "weights.safetensors")]
+    pm = stage_folder.load_folder(folder, rank0_mesh)
+    assert sum(p.numel() for p in pm.parameters()) > 0
+
+
+def test_launch_refuses_a_changed_folder_before_starting(copied):
+    _flip_last_byte(os.path.join(copied, "pp1-tp1", "weights.safetensors"))
+    r = subprocess.run([sys.executable, "-m", "fxmegatron.launch", copied, "--steps", "1", "--device", "cpu"],
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "CompiledFolderError" in r.stderr and "pp1-tp1/weights.safetensors" in r.stderr, r.stderr[-3000:]
+    assert "modified after the folder was written" in r.stderr and "step" not in r.stdout

@@ -3,7 +3,7 @@
 ``write_folder(pm, folder)`` (one call per (pp, tp) rank, data-parallel replica 0)
 writes::
 
-    FOLDER/manifest.json                 layout, schedule, chunks, boundaries, placements
+    FOLDER/manifest.json                 layout, schedule, chunks, boundaries, placements, file hashes
     FOLDER/pp{p}-tp{t}/stage.py          class Chunk{k}(nn.Module) per chunk: readable forward code
     FOLDER/pp{p}-tp{t}/weights.safetensors
 
@@ -11,17 +11,26 @@ writes::
 The weights are safetensors, loaded with no pickles. The collectives in the
 generated code name their group symbolically ("@tp"), and ``load_folder``
 binds that name to the launching job's process group in the source it loads.
+
+A compiled folder is code: ``load_folder`` executes its ``stage.py`` files. The manifest
+records the SHA-256 of every file written with it, and ``check_folder`` (which
+``load_folder`` and ``fxmegatron.launch`` call before they import or read anything) refuses
+a folder whose files changed after they were written, are missing, or were joined by a .py
+file. That catches a corrupt copy or a hand edit, not a
+malicious author: whoever can rewrite the files can rewrite the manifest too.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import textwrap
 import os
 import types
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -36,8 +45,8 @@ from fxmegatron.placement import placement_from_json, placement_to_json
 from fxmegatron.runtime.materialize import is_module
 
 MANIFEST = "manifest.json"
-
-
+FORMAT = "fxmegatron-compiled/2"       # /2: the manifest records every file's SHA-256
+_HASH_BLOCK = 1 << 20
 
 # ---- emitting source --------------------------------------------------------------------
 def _import_line(name: str, obj) -> Optional[str]:
@@ -156,22 +165,27 @@ def write_folder(pm, folder: str) -> None:
                                   "with pp > 1, or compile_model, which always builds it")
     groups = {prog.axes[dim].group_name: "@" + dim for dim in ("tp", "pp", "dp") if prog.axes[dim].group_name}
     pp_rank, tp_rank = prog.rank("pp"), prog.rank("tp")
-    sub = os.path.join(folder, f"pp{pp_rank}-tp{tp_rank}")
-    os.makedirs(sub, exist_ok=True)
-    with open(os.path.join(sub, "stage.py"), "w") as f:
-        f.write(stage_source(pipe.stage.modules, groups))
+    rank_dir = f"pp{pp_rank}-tp{tp_rank}"
+    os.makedirs(os.path.join(folder, rank_dir), exist_ok=True)
+    # bytes, not text: the hash must be of exactly what lands on disk, whatever the locale
+    src = stage_source(pipe.stage.modules, groups).encode("utf-8")
+    with open(os.path.join(folder, rank_dir, "stage.py"), "wb") as f:
+        f.write(src)
+    written = {f"{rank_dir}/stage.py": hashlib.sha256(src).hexdigest()}
     tensors = {}
     for k, mod in pipe.stage.modules.items():
         for n in mod.graph.nodes:
             if n.op == "get_attr" and not is_module(mod, n.target):
                 t = _get(mod, n.target)
                 tensors[n.target] = t.detach().contiguous().cpu()
-    save_file(tensors, os.path.join(sub, "weights.safetensors"),
-              metadata={"parameters": json.dumps(sorted(pipe.stage.params))})
+    weights = os.path.join(folder, rank_dir, "weights.safetensors")
+    save_file(tensors, weights, metadata={"parameters": json.dumps(sorted(pipe.stage.params))})
+    written[f"{rank_dir}/weights.safetensors"] = file_sha256(weights)
+    files = _gather_files(prog, written)
     if pp_rank == 0 and tp_rank == 0:
         sched = pipe.schedule
         manifest = {
-            "format": "fxmegatron-compiled/1",
+            "format": FORMAT,
             "layout": {"pp": prog.size("pp"), "tp": prog.size("tp")},
             "schedule": sched.name, "virtual_stages": sched.v, "microbatches": sched.m,
             "in_spec": pytree.treespec_dumps(prog.in_spec),
@@ -191,9 +205,28 @@ def write_folder(pm, folder: str) -> None:
             "specs": {str(k): [{"shape": list(s.shape), "dtype": _dtype_name(s.dtype), "grad": s.grad}
                                for s in v] for k, v in pipe.specs.items()},
             "shared": {n: {"shape": list(s), "dtype": _dtype_name(d)} for n, (s, d) in pipe.stage.shared.items()},
+            "files": dict(sorted(files.items())),
         }
-        with open(os.path.join(folder, MANIFEST), "w") as f:
+        # written whole or not at all, and last: a folder whose writing stopped midway has no
+        # manifest, or an old one whose hashes do not match
+        tmp = os.path.join(folder, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
             json.dump(manifest, f, indent=1)
+        os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+def _gather_files(prog, written: Dict[str, str]) -> Dict[str, str]:
+    """Every writing rank's {relative path: SHA-256}: rank (pp 0, tp 0) writes the manifest,
+    and each rank hashed only its own files, as it wrote them. Over the tp group, then the pp
+    group: both lie within data-parallel replica 0, the only ranks that call ``write_folder``."""
+    files = dict(written)
+    for dim in ("tp", "pp"):
+        axis = prog.axes[dim]
+        if axis.size > 1:
+            parts: List[Optional[Dict[str, str]]] = [None] * axis.size
+            dist.all_gather_object(parts, files, group=axis.group)
+            files = {k: v for part in parts for k, v in part.items()}
+    return files
 
 
 def _get(mod, target):
@@ -203,12 +236,76 @@ def _get(mod, target):
     return obj
 
 
+# ---- checking --------------------------------------------------------------------------------
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_HASH_BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class CheckedFolder(NamedTuple):
+    """A folder whose files ``check_folder`` found as written, and its manifest: pass it to
+    ``load_folder`` so the files are hashed once."""
+    path: str
+    manifest: dict
+
+
+_TRUST = "a compiled folder is code (launch executes its stage.py files): only run folders you trust"
+
+
+def check_folder(folder: str) -> CheckedFolder:
+    """Refuse ``folder`` unless every file its manifest records is there with the recorded
+    SHA-256, and no rank directory holds a .py file the manifest does not record. Reads the
+    files as bytes; imports nothing."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise CompiledFolderError(f"{folder} has no {MANIFEST}: not a folder written by `fxmegatron compile`")
+    try:
+        with open(path) as f:
+            man = json.load(f)
+    except ValueError as exc:
+        raise CompiledFolderError(f"{path} is not JSON ({exc}): recompile the folder") from None
+    files = man.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CompiledFolderError(f"{path} records no file hashes: the folder was written by an older "
+                                  f"fxmegatron ({man.get('format')}); recompile it with `fxmegatron compile`")
+    layout = man.get("layout", {})
+    loaded = [f"pp{p}-tp{t}/{name}" for p in range(layout.get("pp", 1)) for t in range(layout.get("tp", 1))
+              for name in ("stage.py", "weights.safetensors")]
+    for rel in loaded:     # a manifest that forgets a file would let it load unchecked
+        if rel not in files:
+            raise CompiledFolderError(f"{path} records no hash for {rel}, which load_folder reads; "
+                                      "recompile the folder with `fxmegatron compile`")
+    for rel in sorted(files):
+        parts = rel.split("/")
+        if os.path.isabs(rel) or ".." in parts:
+            raise CompiledFolderError(f"{path} records {rel}, which is not a path inside the folder")
+        if not os.path.isfile(os.path.join(folder, *parts)):
+            raise CompiledFolderError(f"{folder}: {rel} is recorded in {MANIFEST} but missing from the "
+                                      "folder; recompile it or copy it again whole")
+    for d in sorted({os.path.dirname(rel) for rel in files}):
+        for name in sorted(os.listdir(os.path.join(folder, d))):
+            rel = f"{d}/{name}" if d else name
+            if name.endswith(".py") and rel not in files:
+                raise CompiledFolderError(f"{folder}: {rel} is not recorded in {MANIFEST}: it was added after the "
+                                          f"folder was written, and the stage code could import it; {_TRUST}")
+    # the cheap refusals first: hashing reads every byte of every rank's weights
+    for rel in sorted(files):
+        if file_sha256(os.path.join(folder, *rel.split("/"))) != files[rel]:
+            raise CompiledFolderError(f"{folder}: {rel} was modified after the folder was written (its SHA-256 "
+                                      f"is not the one {MANIFEST} records); {_TRUST}. Recompile it or copy it "
+                                      "again")
+    return CheckedFolder(folder, man)
+
+
 # ---- loading -----------------------------------------------------------------------------
 def _load_stage(path: str, name: str, groups: Dict[str, str]) -> types.ModuleType:
     """The generated module, its symbolic group names ("@tp") bound to this job's groups in
     its source: each loaded program carries its own binding, nothing global."""
-    with open(path) as f:
-        src = f.read()
+    with open(path, "rb") as f:
+        src = f.read().decode("utf-8")
     for sym, real in groups.items():
         src = src.replace(repr(sym), repr(real))
     mod = types.ModuleType(name)
@@ -217,8 +314,9 @@ def _load_stage(path: str, name: str, groups: Dict[str, str]) -> types.ModuleTyp
     return mod
 
 
-def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
-    """A ``ParallelModel`` for this rank from a compiled folder (no model code needed).
+def load_folder(folder: Union[str, CheckedFolder], mesh, device=None, grad_accum_dtype=None):
+    """A ``ParallelModel`` for this rank from a compiled folder (no model code needed): a path,
+    which is checked first (``check_folder``), or what ``check_folder`` returned.
     ``grad_accum_dtype``: as ``parallelize``'s."""
     from fxmegatron.mesh import mesh_axes, runtime_device
     from fxmegatron.passes.pipeline_split import Chunk
@@ -228,11 +326,7 @@ def load_folder(folder: str, mesh, device=None, grad_accum_dtype=None):
     from fxmegatron.schedules import make_schedule
     from fxmegatron.schedules.runtime import TensorSpec
 
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
-        raise CompiledFolderError(f"{folder} has no {MANIFEST}: not a folder written by `fxmegatron compile`")
-    with open(path) as f:
-        man = json.load(f)
+    folder, man = folder if isinstance(folder, CheckedFolder) else check_folder(folder)
     axes = mesh_axes(mesh)
     for dim in ("pp", "tp"):
         if axes[dim].size != man["layout"][dim]:
