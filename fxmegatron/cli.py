@@ -23,28 +23,12 @@ tiny config of the model: it takes seconds.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import sys
 import tempfile
 import time
 
-
-def load_factory(spec: str):
-    """``path/to/file.py:fn`` or ``package.module:fn``."""
-    if ":" not in spec:
-        raise SystemExit(f"--factory {spec!r}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
-    where, fn = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        path = os.path.abspath(where)
-        sys.path.insert(0, os.path.dirname(path))
-        s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-        mod = importlib.util.module_from_spec(s)
-        s.loader.exec_module(mod)
-    else:
-        mod = importlib.import_module(where)
-    return getattr(mod, fn)
+from fxmegatron.factory import load_factory
 
 
 def _compile_worker(rank, world, args, tmp):
