@@ -205,3 +205,16 @@ def load(pm, optimizer, directory: str) -> dict:
         for m in _rng_modules(pm):
             m.step = step
     return rd.index.get("extra", {})
+
+
+def read_full_state(directory: str) -> Dict[str, torch.Tensor]:
+    """Every parameter of a checkpoint saved at any (dp, pp, tp), whole, under the model's names
+    (a tied weight once, under the name the capture kept; a weight that several pipeline ranks
+    hold, such as a tied embedding and LM head, once). Optimizer state is left out."""
+    rd = _Reader(directory)
+    return {key[len("model/"):]: rd.full(key) for key in sorted(rd.pieces) if key.startswith("model/")}
+
+
+def read_extra(directory: str) -> dict:
+    """The ``extra`` dict given to ``save``, without reading any tensor."""
+    return _Reader(directory).index.get("extra", {})

@@ -1,7 +1,9 @@
 """Each rank creates only its own shards.
 
 Sources, in order: a given full state dict (sliced per tensor, so a
-``torch.load(..., mmap=True)`` dict is read lazily), the model's own weights
+``torch.load(..., mmap=True)`` dict is read lazily; a state dict that has a method
+``read_shard(name, placement, rank, world)`` is asked for the rank's piece instead, so
+that a reader of files can read only that piece), the model's own weights
 when they are real, or direct initialisation of the shard for a model built on
 the meta device. Direct initialisation draws N(0, 0.02) for matrices (in row
 chunks seeded by (seed, name, chunk), so a shard holds exactly the values the
@@ -68,7 +70,9 @@ def local_parameter(name: str, model_tensor: torch.Tensor, plc: Placement, rank:
         return torch.nn.Parameter(torch.empty(shape, dtype=model_tensor.dtype, device="meta"),
                                   requires_grad=model_tensor.requires_grad)
     if state_dict is not None and name in state_dict:
-        local = take_shard(state_dict[name], plc, rank, world)
+        read_shard = getattr(state_dict, "read_shard", None)
+        local = read_shard(name, plc, rank, world) if callable(read_shard) else \
+            take_shard(state_dict[name], plc, rank, world)
     elif model_tensor.device.type != "meta":
         local = take_shard(model_tensor.detach(), plc, rank, world)
     else:
