@@ -1,0 +1,189 @@
+"""The training loop of ``fxmegatron train``, on every rank: parallelize the prepared model, resume,
+then per step: learning rate, train_step, gradient norm, non-finite check, clipped optimizer step,
+evaluation and checkpoints on their cadence, logging on rank 0. Each step's batch and rate depend
+only on the step, so a run resumed at any layout sees what an uninterrupted one would."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+import fxmegatron
+from fxmegatron.optim import FusedAdamW, clip_coefficient
+from fxmegatron.runtime.distributed import Env, make_mesh
+from fxmegatron.runtime.grad_norm import scale_grads_
+from fxmegatron.train import checkpoints
+from fxmegatron.train.lr import lr_at
+from fxmegatron.train.metrics import Metrics, Progress, flops_per_token, peak_memory_gib
+from fxmegatron.train.setup import DTYPES, Prepared
+from fxmegatron.train.watchdog import Watchdog, check_finite
+
+H100_BF16_TFLOPS = 989.0
+
+
+def layout_line(cfg) -> str:
+    lay = cfg.layout
+    s = f"dp={lay.dp} pp={lay.pp} tp={lay.tp}"
+    if lay.pp > 1:
+        sched = lay.schedule or ("interleaved" if lay.virtual_stages > 1 else "1f1b")
+        s += f" ({sched}, v={lay.virtual_stages})"
+    s += f", m={lay.microbatches}"
+    for flag, text in ((lay.sequence_parallel, "SP"), (lay.recompute != "none", f"recompute={lay.recompute}"),
+                       (lay.fuse, "fuse"), (lay.compile, "compile"), (lay.overlap, f"overlap={lay.overlap}")):
+        if flag:
+            s += f", {text}"
+    return s
+
+
+def build_optimizer(pm, cfg):
+    """AdamW with weight decay on matrices only: biases, norms and other parameters of fewer than
+    2 dims go to a second group without decay (Megatron's rule)."""
+    o = cfg.optim
+    named = list(pm.named_parameters())
+    decay = [p for _, p in named if p.dim() >= 2]
+    rest = [p for _, p in named if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    return FusedAdamW(groups, **kw) if o.fused else torch.optim.AdamW(groups, **kw)
+
+
+def _say(lead: bool, progress: Optional[Progress], text: str) -> None:
+    if lead:
+        (progress.message if progress is not None else print)(text)
+
+
+def _evaluate(pm, prep: Prepared, device) -> float:
+    losses = [pm.eval_step(prep.batch(w, device)).item() for w in prep.valid]
+    return sum(losses) / len(losses)
+
+
+def train(prep: Prepared, env: Env, t_start: float) -> int:
+    cfg, lay, lead = prep.cfg, prep.cfg.layout, env.lead
+    device = env.device
+    mesh = make_mesh(env, dp=lay.dp, pp=lay.pp, tp=lay.tp)
+    src = prep.source
+    example = prep.batch(prep.train.windows(0), device)
+    grad_accum = torch.float32 if (DTYPES[cfg.run.precision] != torch.float32 and
+                                   (lay.microbatches > 1 or lay.pp > 1)) else None
+    first = cfg.run.first_step_s
+    with Watchdog(env.rank, env.world, cfg.run.watchdog_s, first_step_timeout_s=first) as wd:
+        wd.step(-1, timeout_s=first)     # parallelize, as a step of its own with the first step's allowance
+        t0 = time.perf_counter()
+        pm = fxmegatron.parallelize(src.model, mesh, example, sequence_parallel=lay.sequence_parallel,
+                                    recompute=lay.recompute, microbatches=lay.microbatches,
+                                    virtual_stages=lay.virtual_stages, schedule=lay.schedule or None, fuse=lay.fuse,
+                                    compile=lay.compile, tp_comm_overlap=lay.overlap, state_dict=src.state_dict,
+                                    seed=cfg.run.seed, grad_accum_dtype=grad_accum)
+        t_parallelize = time.perf_counter() - t0
+        opt = build_optimizer(pm, cfg)
+        start = 0
+        resume = checkpoints.resume_from(cfg.checkpoint.dir, cfg.checkpoint.resume)
+        if resume is not None:
+            extra = fxmegatron.io.checkpoint.load(pm, opt, resume)
+            prep.train.check_state(extra.get("data", {}))
+            start = int(extra["step"])
+        return _loop(pm, opt, prep, env, wd, start, resume, t_parallelize, t_start)
+
+
+def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[str], t_parallelize: float,
+          t_start: float) -> int:
+    cfg, lead, device = prep.cfg, env.lead, env.device
+    o, steps = cfg.optim, cfg.run.steps
+    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+    flops_step = flops_per_token(prep.source.model, cfg.data.seq_len, prep.layers, prep.hidden) * tokens_per_step
+    peak = cfg.run.peak_tflops or (H100_BF16_TFLOPS if device.type == "cuda" else 0.0)
+    extra = {"model": prep.source.describe, "data": prep.train.state(), "config": cfg.as_dict(),
+             "layout": {"dp": cfg.layout.dp, "pp": cfg.layout.pp, "tp": cfg.layout.tp}}
+    files = {}
+    if cfg.data.kind == "text" and cfg.data.tokenizer != "bytes":
+        files["tokenizer"] = cfg.data.tokenizer
+    metrics = Metrics(cfg.run.out, start, cfg.log.tensorboard) if lead else None
+    progress = Progress(steps, cfg.run.log_every, start) if lead else None
+    if lead:
+        n_local = sum(p.numel() for p in pm.parameters())
+        print(f"fxmegatron train: {env.world} process(es) ({env.backend}, {device.type}), {layout_line(cfg)}")
+        print(f"  model: {prep.name}, {prep.n_params:,} parameters ({n_local:,} on rank 0), "
+              f"{cfg.run.precision}; {flops_step / tokens_per_step / 1e6:.1f} MFLOP per token")
+        print(f"  data: {prep.tokens_train:,} training tokens, {prep.tokens_valid:,} held out; global batch "
+              f"{cfg.data.global_batch} x {cfg.data.seq_len}; {steps} steps; parallelize {t_parallelize:.1f} s")
+        if resume:
+            print(f"  resumed from {resume} at step {start}")
+    stop = checkpoints.StopRequest(device)
+    saved_at = start if resume else -1
+    last_val: Optional[float] = None
+    t_train = time.perf_counter()
+    step = start
+    try:
+        for step in range(start, steps):
+            # the first step of a run (or of a resumed one) compiles: it gets the longer allowance
+            wd.step(step, timeout_s=cfg.run.first_step_s if step == start else None)
+            t0 = time.perf_counter()
+            lr = lr_at(step, steps, o.lr, o.min_lr, o.warmup_steps, o.decay, o.wsd_fraction)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss_t = pm.train_step(prep.batch(prep.train.windows(step), device))
+            norm_t = pm.grad_norm()
+            loss, norm = loss_t.item(), norm_t.item()
+            if check_finite(step, loss, norm, cfg.run.on_nonfinite):
+                coef = clip_coefficient(norm_t, o.grad_clip) if o.grad_clip > 0 else None
+                if isinstance(opt, FusedAdamW):
+                    opt.step(coef)
+                else:
+                    if coef is not None:
+                        scale_grads_(pm.parameters(), coef)
+                    opt.step()
+            else:
+                _say(lead, progress, f"step {step}: loss {loss}, gradient norm {norm}: update skipped")
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
+                   "tflops_per_device": flops_step / dt / env.world / 1e12,
+                   "mfu": (flops_step / dt / env.world / 1e12 / peak) if peak else float("nan"),
+                   "mem_gib": peak_memory_gib(device), "elapsed_s": time.perf_counter() - t_train,
+                   "val_loss": None}
+            done = step + 1
+            wd.step(step, timeout_s=cfg.run.first_step_s)      # evaluation and a save may follow
+            if done == steps or (cfg.eval.every and done % cfg.eval.every == 0):
+                row["val_loss"] = last_val = _evaluate(pm, prep, device)
+                _say(lead, progress, f"step {done}: train loss {loss:.4f}, validation loss {last_val:.4f}")
+            if lead:
+                metrics.log(row)
+                progress.update(row)
+            stopping = stop.agreed()
+            if done == steps or stopping or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
+                path = checkpoints.save(pm, opt, cfg.checkpoint.dir, done, cfg.checkpoint.keep, extra, files)
+                saved_at = done
+                _say(lead, progress, f"step {done}: checkpoint {path}")
+            if stopping:
+                _say(lead, progress, f"stopped by SIGTERM after step {done}; checkpoint saved at step {saved_at}")
+                return 0
+    finally:
+        stop.restore()
+        if lead:
+            progress.close()
+            metrics.close()
+    if lead:
+        _summary(prep, metrics, last_val, t_start, t_train)
+    return 0
+
+
+def _summary(prep: Prepared, metrics: Metrics, last_val: Optional[float], t_start: float, t_train: float) -> None:
+    cfg = prep.cfg
+    rows = metrics.rows
+    if cfg.log.plot and rows:
+        path = os.path.join(cfg.run.out, "loss.png")
+        metrics.plot(path, f"{prep.name} ({prep.n_params / 1e6:.2f}M parameters)\n"
+                           f"{layout_line(cfg)}")
+    k = max(1, len(rows) // 10)
+    first = sum(r["loss"] for r in rows[:k]) / k
+    last = sum(r["loss"] for r in rows[-k:]) / k
+    tps = [r["tokens_per_s"] for r in rows[1:]] or [rows[0]["tokens_per_s"]]
+    print(f"loss        {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} (mean of first {k} steps {first:.4f}, "
+          f"last {k} steps {last:.4f})" + (f"; validation {last_val:.4f}" if last_val is not None else ""))
+    print(f"throughput  {len(tps) / sum(1 / t for t in tps):,.0f} tokens/s (steps after the first)")
+    print(f"wall time   {time.perf_counter() - t_start:.1f} s (training {time.perf_counter() - t_train:.1f} s)")
+    print(f"files       {metrics.path}" + (f", {os.path.join(cfg.run.out, 'loss.png')}" if cfg.log.plot else "")
+          + (f", {os.path.join(cfg.run.out, 'tensorboard')}" if cfg.log.tensorboard else ""))
+

@@ -1,0 +1,123 @@
+"""Everything the trainer does before any process group work: read and check the config, open
+the data, build the model on the meta device, and check that they fit together (the tokenizer's
+vocabulary and the tokens in the files against the model's). A mistake ends here, with one line."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from fxmegatron.errors import ConfigError, DataError
+from fxmegatron.train import config as config_mod
+from fxmegatron.train.config import Config
+from fxmegatron.train.data import (Batches, TokenStream, eval_windows, memmap_tokens, split_stream, text_tokens,
+                                   tokenizer_vocab_size)
+from fxmegatron.train.models import ModelSource, load_model
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Prepared:
+    cfg: Config
+    source: ModelSource
+    train: Batches
+    valid: List[torch.Tensor]          # the held-out windows, [global_batch, seq_len + 1] each
+    tokens_train: int
+    tokens_valid: int
+    vocab_data: int                    # the data's vocabulary (tokenizer's, or max id + 1 in a token file)
+    name: str                          # for the log: the model's class and where it came from
+    n_params: int                      # the whole model's, tied weights once
+    layers: Optional[int]              # from the model's config, for the attention FLOPs (None: unknown)
+    hidden: Optional[int]
+
+    def batch(self, windows: torch.Tensor, device) -> Any:
+        """What the model's forward takes, from windows of seq_len + 1 tokens."""
+        w = windows.to(device)
+        if self.source.batch_kind == "hf":      # the model shifts the labels itself
+            x = w[:, :-1].contiguous()
+            return {"input_ids": x, "labels": x}
+        return (w[:, :-1].contiguous(), w[:, 1:].contiguous())
+
+
+def _streams(cfg: Config, cache_dir: str):
+    d = cfg.data
+
+    def open_files(paths):
+        if d.kind == "tokens":
+            if len(paths) != 1:
+                raise ConfigError(f"{cfg.source}: data.kind = 'tokens' reads one .bin file per split, got "
+                                  f"{len(paths)}: concatenate them")
+            return memmap_tokens(paths[0], d.token_dtype)
+        return text_tokens(paths, d.tokenizer, cache_dir=cache_dir)
+
+    train = open_files(d.train)
+    if d.valid:
+        valid = open_files(d.valid)
+    else:
+        if not 0 < d.valid_fraction < 1:
+            raise ConfigError(f"{cfg.source}: data.valid is empty, so data.valid_fraction must be in (0, 1), got "
+                              f"{d.valid_fraction}")
+        train, valid = split_stream(train, d.valid_fraction)
+    return train, valid
+
+
+def _gpt_options(cfg: Config, vocab: int) -> Dict[str, Any]:
+    from fxmegatron.models.gpt import GPTConfig
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    opts = dict(cfg.model.gpt)
+    for k in opts:
+        if k not in known:
+            raise ConfigError(f"{cfg.source}: unknown key model.gpt.{k}; GPTConfig has {', '.join(sorted(known))}")
+    if "block_size" in opts and opts["block_size"] < cfg.data.seq_len:
+        raise ConfigError(f"{cfg.source}: model.gpt.block_size {opts['block_size']} < data.seq_len "
+                          f"{cfg.data.seq_len}")
+    opts.setdefault("block_size", cfg.data.seq_len)
+    opts.setdefault("vocab_size", vocab)
+    return opts
+
+
+def prepare(cfg: Config, world: Optional[int]) -> Prepared:
+    """The config checked against ``world`` processes (None: not checked, for --dry-run), the data
+    opened and the model built on meta; raises ConfigError / DataError naming what is wrong."""
+    config_mod.check_world(cfg, world if world is not None else
+                           cfg.layout.dp * cfg.layout.pp * cfg.layout.cp * cfg.layout.tp)
+    config_mod.check_files(cfg)
+    train, valid = _streams(cfg, os.path.join(cfg.run.out, "cache"))
+    if cfg.data.kind == "text":
+        vocab_data = tokenizer_vocab_size(cfg.data.tokenizer)
+    else:
+        vocab_data = max(train.vocab_needed, valid.vocab_needed)
+    dtype = DTYPES[cfg.run.precision]
+    m = cfg.model
+    options = _gpt_options(cfg, vocab_data) if m.kind == "gpt" else {}
+    source = load_model(m.kind, m.path or None, options, dtype)
+    if vocab_data > source.vocab_size:
+        what = (f"the tokenizer {cfg.data.tokenizer} has {vocab_data} tokens" if cfg.data.kind == "text"
+                else f"{cfg.data.train[0]} holds token ids up to {vocab_data - 1}")
+        raise DataError(f"{cfg.source}: {what}, but the model's vocabulary has {source.vocab_size}: the data does "
+                        f"not belong to this model")
+    if source.max_positions is not None and cfg.data.seq_len > source.max_positions:
+        raise ConfigError(f"{cfg.source}: data.seq_len {cfg.data.seq_len} is longer than the model's "
+                          f"{source.max_positions} positions")
+    g = cfg.data.global_batch
+    batches = Batches(train, cfg.data.seq_len, g, cfg.run.seed)
+    held_out = eval_windows(valid, cfg.data.seq_len, g, cfg.eval.batches)
+    model = source.model
+    conf = getattr(model, "config", None) or getattr(model, "cfg", None)
+    layers = getattr(conf, "num_hidden_layers", None) or getattr(conf, "n_layer", None)
+    hidden = getattr(conf, "hidden_size", None) or getattr(conf, "n_embd", None)
+    name = type(model).__name__ + (f" from {m.path}" if m.path else "")
+    n_params = sum(p.numel() for p in model.parameters())
+    return Prepared(cfg, source, batches, held_out, len(train), len(valid), vocab_data, name, n_params,
+                    layers, hidden)
+
+
+def load_config(path: str, overrides: Optional[List[str]] = None) -> Config:
+    return config_mod.load(path, overrides)
+
+
+__all__ = ["Prepared", "prepare", "load_config", "TokenStream"]
