@@ -1,0 +1,369 @@
+"""What ``fxmegatron train --dry-run`` prints: a layout's parameters and memory per rank and its
+schedule, from the model on the meta device, without a process group or a weight allocated.
+
+    plan = plan_run(model_on_meta, global_batch, dp=1, pp=4, tp=2, sequence_parallel=True,
+                    recompute="none", virtual_stages=1, microbatches=8, schedule="1f1b",
+                    param_dtype=torch.bfloat16, optimizer="adamw")
+    print(plan.format())
+
+    python -m fxmegatron.train.plan --llama8b --pp 4 --tp 2 --microbatches 8 --seq 8192
+
+One capture; then the compiler's list of passes (``compiler.rank_passes``, as ``parallelize``
+and ``verify`` run it) for tensor-parallel rank 0 only, leaving meta shards: tp ranks hold
+shards of equal shapes and run the same graph, so rank 0 speaks for all. The pipeline cut
+(``split_pipeline``) of that one graph gives every pipeline rank's chunks (chunk c on rank
+c mod pp), so no rank is built twice. Activations are measured on those chunks
+(``plan_memory``); nothing is materialised.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from fxmegatron.capture import capture
+from fxmegatron.compiler import COVERAGE, PLAN, first_microbatch, rank_passes
+from fxmegatron.config import ParallelConfig
+from fxmegatron.mesh import Axis
+from fxmegatron.passes.pipeline_split import split_pipeline
+from fxmegatron.passes.runner import PassRunner
+from fxmegatron.placement import R, Shard, local_shape, shard_slices
+from fxmegatron.schedules import Schedule, simulate
+from fxmegatron.train.plan_memory import (OPTIMIZER_NOTES, OPTIMIZERS, byte_unit, grad_bytes, in_flight,
+                                          optimizer_bytes, saved_by_chunks, timeline_text)
+
+FORMULA = ("total = parameters + gradients + optimizer state + activations (+ recompute); activations = the "
+           "most, over the rank's schedule, of the sum of saved(chunk) over the (microbatch, chunk) pairs in "
+           "flight (one chunk per rank: saved per microbatch × peak microbatches in flight); recompute = the "
+           "largest recomputed region's activations, held while its backward runs it")
+CAVEAT = ("an estimate: no allocator overhead or fragmentation, no temporary buffers (workspaces, a "
+          "backward's transient gradients, the loss's fp32 scratch beyond what it saves), no communication "
+          "buffers (pipeline sends, data-parallel buckets, gathers); attention counted as a fused kernel; dropout "
+          "> 0 counted in its torch form (a 1-byte mask per element; the GPU kernel redraws it)")
+
+
+@dataclass
+class StagePlan:
+    """One pipeline rank, as each of its tensor-parallel ranks sees it."""
+
+    pp_rank: int
+    chunks: Tuple[int, ...]
+    blocks: Tuple[str, ...]            # per chunk: the units it runs
+    params: int                        # elements held by each tp rank
+    split: int                         # of which shards of parameters split over tp
+    replicated: int                    # of which whole parameters, the same on every tp rank
+    stage_params: int                  # distinct elements over the stage's tp ranks: split·tp + replicated
+    tied: Tuple[str, ...]              # parameters other pipeline ranks hold too
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    saved: Dict[int, int]              # chunk -> bytes kept per microbatch until its backward
+    in_flight: Dict[int, int]          # chunk -> most microbatches in flight
+    activation_bytes: int
+    recompute_bytes: int = 0           # the largest recomputed region, while its backward runs it
+    local: Dict[str, int] = field(default_factory=dict)   # parameter -> its elements on each tp rank
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(self.local)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + \
+            self.recompute_bytes
+
+
+@dataclass
+class RunPlan:
+    model: str
+    model_params: int                  # every parameter once (tied ones once)
+    dp: int
+    pp: int
+    tp: int
+    virtual_stages: int
+    microbatches: int
+    schedule: str                      # "" without a pipeline
+    sequence_parallel: bool
+    recompute: str
+    param_dtype: torch.dtype
+    optimizer: str
+    grad_accum_dtype: Optional[torch.dtype]
+    microbatch: List[str]              # each batch input at microbatch size
+    stages: List[StagePlan]
+    tied: Dict[str, Tuple[int, ...]]   # parameter -> the pipeline ranks holding a copy (two or more)
+    aliases: Dict[str, str]            # a tied name in the model -> the name it is counted under
+    unused: List[str]                  # parameters no chunk uses (held by no rank)
+    unused_numel: int
+    tied_numel: Dict[str, int]         # whole elements of each tied parameter
+    bubble: Optional[float]
+    timeline: str
+    coverage: str
+    seconds: float
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def tied_copies(self) -> int:
+        """Elements held more than once across pipeline ranks (a copy per extra holder)."""
+        return sum(self.tied_numel[n] * (len(r) - 1) for n, r in self.tied.items())
+
+    def format(self) -> str:
+        return "\n".join(_format(self))
+
+
+def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: int = 1, tp: int = 1,
+             sequence_parallel: bool = False, recompute="none", virtual_stages: int = 1, microbatches: int = 1,
+             schedule: Optional[str] = None, param_dtype: Optional[torch.dtype] = None, optimizer: str = "adamw",
+             grad_accum_dtype: Optional[torch.dtype] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
+             device: str = "cuda", picture: Optional[str] = None) -> RunPlan:
+    """The plan of a run (module docstring). ``example_global_batch``: one optimizer step's
+    batch over all data-parallel ranks (split over dp, then into ``microbatches``, as
+    ``parallelize`` splits it). ``param_dtype``: the dtype the parameters train in (the
+    model is cast on a copy; None: as it is). ``device``: where the run will be, "cuda" or
+    "cpu", which decides the form of the ops whose kernels keep other tensors than their torch
+    form (``plan_memory``). ``picture``: also draw the schedule to this .png or .svg."""
+    t0 = time.perf_counter()
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
+    model = _in_dtype(model_on_meta, param_dtype)
+    cfg = ParallelConfig(sequence_parallel=sequence_parallel, recompute=recompute, microbatches=microbatches,
+                         virtual_stages=virtual_stages, schedule=schedule, blocks_per_chunk=blocks_per_chunk,
+                         grad_accum_dtype=grad_accum_dtype)
+    sched = cfg.make_schedule(pp)        # the layout's errors before the capture's seconds
+    cap = capture(model, first_microbatch(example_global_batch, microbatches, dp))
+    axes = {"tp": Axis(tp, 0, "", tuple(range(tp))), "pp": Axis(pp), "dp": Axis(dp)}
+    # the compiler's passes on the capture itself (nothing else reads it); no materialisation
+    # and no boundary propagation: the activations' run on meta finds the boundaries
+    local = PassRunner(rank_passes(cap, axes, cfg))(cap.gm)
+    tp_plan = local.meta[PLAN]
+    example = [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"]
+    if cfg.pipelined(pp):
+        chunks = split_pipeline(local, pp * virtual_stages, blocks_per_chunk=blocks_per_chunk)
+        modules = [c.gm for c in chunks]
+        uses = {c.index: [n for n in c.params if n in cap.params] for c in chunks}
+        grads, inputs = [c.boundary_grad for c in chunks], [c.batch_inputs for c in chunks]
+        blocks = {c.index: _units_label(c.units) for c in chunks}
+    else:
+        modules, grads, inputs = [local], [[]], [list(range(len(example)))]
+        uses = {0: sorted({n.target for n in local.graph.nodes if n.op == "get_attr" and n.target in cap.params})}
+        blocks = {0: "the whole model"}
+    micro = [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+             for v in example]
+    # where fxmegatron's kernels run (codegen.where_kernels_run): GPUs, the CPU under the interpreter
+    kernels = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    kept, transient = saved_by_chunks(modules, grads, inputs, micro, kernels)
+    saved, regions = dict(enumerate(kept)), dict(enumerate(transient))
+    holders: Dict[str, set] = {}
+    for c, names in uses.items():
+        for n in names:
+            holders.setdefault(n, set()).add(c % pp)
+    placements = dict(tp_plan.param_plc)
+    stages = [_stage(r, sorted(c for c in saved if c % pp == r), uses, holders, blocks, saved, sched, cap.params,
+                     placements, tp, optimizer, grad_accum_dtype is not None, microbatches) for r in range(pp)]
+    for st in stages:
+        st.recompute_bytes = max(regions[c] for c in st.chunks)
+    tied = {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
+    notes = [f"parameter {n} is split unevenly over tp={tp}: tp rank 0 does not speak for the others"
+             for n, plc in placements.items() if isinstance(plc, Shard) and not _even(cap.params[n].shape, plc, tp)]
+    res = simulate(sched, 1.0, 2.0) if sched is not None else None
+    if picture and sched is not None:
+        from fxmegatron.schedules.draw import draw_timeline
+        draw_timeline(sched, picture)
+        notes.append(f"schedule drawn to {picture}")
+    return RunPlan(
+        model=cap.model_cls, model_params=sum(t.numel() for t in cap.params.values()), dp=dp, pp=pp, tp=tp,
+        virtual_stages=virtual_stages, microbatches=microbatches, schedule=sched.name if sched else "",
+        sequence_parallel=sequence_parallel, recompute=cfg.recompute_name,
+        param_dtype=next(iter(cap.params.values())).dtype if cap.params else torch.float32, optimizer=optimizer,
+        grad_accum_dtype=grad_accum_dtype,
+        microbatch=[f"{name} {list(v.shape)} {str(v.dtype).replace('torch.', '')}" for name, v in
+                    zip(cap.input_names, example) if isinstance(v, torch.Tensor)],
+        stages=stages, tied=tied, aliases=dict(cap.aliases),
+        unused=sorted(n for n in cap.params if n not in holders),
+        unused_numel=sum(t.numel() for n, t in cap.params.items() if n not in holders),
+        tied_numel={n: cap.params[n].numel() for n in tied},
+        bubble=res.overall_bubble_fraction if res else None, timeline=timeline_text(sched, res) if res else "",
+        coverage=local.meta[COVERAGE].summary() if tp > 1 else "",
+        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes))
+
+
+def _in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> nn.Module:
+    """The model with floating parameters and buffers in ``dtype``: a copy, the caller's is left."""
+    if dtype is None or all(p.dtype == dtype for p in model.parameters() if p.is_floating_point()):
+        return model
+    return copy.deepcopy(model).to(dtype)
+
+
+def _numel(shape, plc, tp: int) -> int:
+    return math.prod(local_shape(shape, plc, tp))
+
+
+def _even(shape, plc: Shard, tp: int) -> bool:
+    size = shape[plc.dim]
+    return sum(n for r in range(tp) for _, n in shard_slices(size, plc, r, tp)) == size
+
+
+def _stage(r: int, chunks: List[int], uses, holders, blocks, saved, sched: Optional[Schedule], params,
+           placements, tp: int, optimizer: str, grad_accum: bool, microbatches: int) -> StagePlan:
+    used = [n for c in chunks for n in uses[c]]
+    names = sorted(set(used))
+    # as the runtime: fp32 sums where a gradient accumulates more than once a step (several
+    # microbatches, or a weight two chunks of the rank use)
+    fp32_sums = grad_accum and (microbatches > 1 or len(used) > len(names))
+    split = replicated = nbytes = 0
+    trainable: List[Tuple[int, torch.dtype]] = []
+    local = {}
+    for n in names:
+        t, plc = params[n], placements.get(n, R)
+        k = local[n] = _numel(t.shape, plc, tp)
+        if isinstance(plc, Shard):
+            split += k
+        else:
+            replicated += k
+        nbytes += k * t.element_size()
+        if t.requires_grad:
+            trainable.append((k, t.dtype))
+    mine = {c: saved[c] for c in chunks}
+    act, peak = in_flight(sched, r, mine)
+    return StagePlan(r, tuple(chunks), tuple(blocks[c] for c in chunks), split + replicated, split, replicated,
+                     split * tp + replicated, tuple(n for n in names if len(holders[n]) > 1), nbytes,
+                     grad_bytes(trainable, fp32_sums), optimizer_bytes(trainable, optimizer), mine, peak, act,
+                     local=local)
+
+
+def _units_label(units: Sequence[str]) -> str:
+    """"embedding, model.layers.0-7" for a chunk's units."""
+    # paths are the capture wrapper's ("model." + the model's own)
+    blocks = [u.removeprefix("model.") for u in units if u not in ("pre", "post")]
+    parts = ["embedding"] if "pre" in units else []
+    if blocks:
+        head, _, first = blocks[0].rpartition(".")
+        last = blocks[-1].rpartition(".")[2]
+        parts.append(f"{head}.{first}" + (f"-{last}" if len(blocks) > 1 else ""))
+    if "post" in units:
+        parts.append("head+loss")
+    return ", ".join(parts)
+
+
+def _format(p: RunPlan) -> List[str]:
+    dt = str(p.param_dtype).replace("torch.", "")
+    world = p.dp * p.pp * p.tp
+    sched = (f"schedule {p.schedule}, {p.pp} pipeline ranks × {p.virtual_stages} chunk(s) each"
+             if p.schedule else "no pipeline (gradient accumulation)" if p.microbatches > 1 else "no pipeline")
+    size = f" ({p.model_params / 1e9:.2f} B)" if p.model_params >= 1e9 else \
+        f" ({p.model_params / 1e6:.1f} M)" if p.model_params >= 1e6 else ""
+    out = [f"fxmegatron dry-run plan: {p.model}, {p.model_params:,} parameters{size}, {dt}",
+           f"layout: dp {p.dp} × pp {p.pp} × tp {p.tp} = {world} ranks; sequence parallel "
+           f"{'on' if p.sequence_parallel else 'off'}; recompute {p.recompute}; {sched}; "
+           f"{p.microbatches} microbatch(es) of {', '.join(p.microbatch)} per dp rank",
+           f"optimizer {p.optimizer} ({OPTIMIZER_NOTES[p.optimizer]}); gradients {dt}"
+           + (" + fp32 sums over the microbatches" if p.grad_accum_dtype is not None else ""), ""]
+    out.append(f"Parameters per rank (elements; tp ranks of a stage hold shards of equal shape: tp rank 0 "
+               f"shown, 'stage' = split × {p.tp} + replicated)")
+    out.append(f"  {'pp':>2} {'per tp rank':>15} {'split over tp':>15} {'replicated':>13} {'stage':>15}  "
+               "chunks: what they run")
+    for s in p.stages:
+        runs = "; ".join(f"{c}: {units}" for c, units in zip(s.chunks, s.blocks))
+        out.append(f"  {s.pp_rank:>2} {s.params:>15,} {s.split:>15,} {s.replicated:>13,} {s.stage_params:>15,}  "
+                   f"{runs}")
+    total = sum(s.stage_params for s in p.stages)
+    out.append(f"  sum of stages {total:,} = model {p.model_params:,} + tied copies {p.tied_copies:,}"
+               + (f" − {p.unused_numel:,} in {len(p.unused)} parameter(s) no chunk uses: {', '.join(p.unused[:3])}"
+                  if p.unused else ""))
+    for name, ranks in sorted(p.tied.items()):
+        also = [a for a, c in p.aliases.items() if c == name and a != name]
+        out.append(f"  tied: {name}{' (also ' + ', '.join(also) + ')' if also else ''} is held by pp ranks "
+                   f"{', '.join(map(str, ranks))}: a copy on each, counted once per holder; their gradients "
+                   "are summed over pp")
+    for a, c in sorted(p.aliases.items()):
+        if a != c and c not in p.tied:
+            out.append(f"  tied: {a} is {c}: one parameter, counted once")
+    if p.coverage:
+        out += ["  " + line for line in p.coverage.splitlines()]
+    unit, scale = byte_unit(max(s.total_bytes for s in p.stages))
+
+    def b(n: int) -> str:
+        return f"{n / scale:.2f}"
+
+    rc = any(s.recompute_bytes for s in p.stages)
+    out += ["", f"Memory per rank ({unit}, estimate; tp ranks alike: tp rank 0 shown)",
+            f"  {'pp':>2} {'params':>8} {'grads':>8} {'optimizer':>10} {'activations':>12}  "
+            f"{'(chunk: saved per microbatch × most in flight)':<46}" + (f" {'recompute':>10}" if rc else "")
+            + f" {'total':>8}"]
+    for s in p.stages:
+        per = ", ".join(f"{c}: {b(s.saved[c])} × {s.in_flight[c]}" for c in s.chunks)
+        out.append(f"  {s.pp_rank:>2} {b(s.param_bytes):>8} {b(s.grad_bytes):>8} {b(s.optimizer_bytes):>10} "
+                   f"{b(s.activation_bytes):>12}  {per:<46}" + (f" {b(s.recompute_bytes):>10}" if rc else "")
+                   + f" {b(s.total_bytes):>8}")
+    worst = max(p.stages, key=lambda s: s.total_bytes)
+    out += [f"  largest: pp rank {worst.pp_rank}, {b(worst.total_bytes)} {unit}", f"  {FORMULA}", f"  {CAVEAT}"]
+    if p.schedule:
+        out += ["", f"Schedule {p.schedule}: p={p.pp}, v={p.virtual_stages}, m={p.microbatches}; bubble fraction "
+                    f"{p.bubble:.3f} (idle / compute; a stage's forward = 1 cell, backward = 2)", p.timeline]
+    out += ["", *[f"note: {n}" for n in p.notes], f"planned in {p.seconds:.1f} s"]
+    return out
+
+
+def llama8b(layers: int = 32, seq: int = 8192) -> nn.Module:
+    """A Llama-3-8B-shaped ``LlamaForCausalLM`` on the meta device (bf16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=seq, use_cache=False,
+                      rope_theta=500000.0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return model.to(torch.bfloat16).train()
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m fxmegatron.train.plan", description="Dry-run plan of a layout.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--llama8b", action="store_true", help="a Llama-3-8B-shaped HF model")
+    src.add_argument("--hf-config-json", help="an HF config.json; the causal LM it describes, on meta")
+    for name, default in (("dp", 1), ("pp", 1), ("tp", 1), ("virtual-stages", 1), ("microbatches", 1),
+                          ("seq", 8192), ("micro-batch-size", 1)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    ap.add_argument("--grad-accum-fp32", action="store_true")
+    ap.add_argument("--picture", help="also draw the schedule to this .png/.svg")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = _parser().parse_args(argv)
+    if a.llama8b:
+        model = llama8b(seq=a.seq)
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        cfg = AutoConfig.from_pretrained(a.hf_config_json)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        model.train()
+    rows = a.micro_batch_size * a.microbatches * a.dp
+    ids = torch.zeros(rows, a.seq, dtype=torch.long, device="meta")
+    plan = plan_run(model, {"input_ids": ids, "labels": ids}, dp=a.dp, pp=a.pp, tp=a.tp,
+                    sequence_parallel=a.sequence_parallel, recompute=a.recompute, virtual_stages=a.virtual_stages,
+                    microbatches=a.microbatches, schedule=a.schedule, param_dtype=getattr(torch, a.dtype),
+                    optimizer=a.optimizer, grad_accum_dtype=torch.float32 if a.grad_accum_fp32 else None,
+                    picture=a.picture)
+    print(plan.format())
+    print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
