@@ -69,6 +69,8 @@ KEYS: List[Key] = [
        "save_pretrained, read offline), or factory (FILE.py:FN returning a model)",
        choices=("gpt", "hf", "factory")),
     _k("model", "path", STR, "", "hf: the model's directory; factory: FILE.py:FN"),
+    _k("model", "weights", STR, "load", "hf: load the folder's safetensors weights, or random (its config.json "
+       "alone, each rank initialising its own shards: pre-training from scratch)", choices=("load", "random")),
     _k("model", "gpt", dict, {}, "kind = gpt: GPTConfig fields (n_layer, n_head, n_embd, dropout, "
        "tie_embeddings, bias; vocab_size and block_size come from the data)"),
     # ---- data ----

@@ -58,9 +58,13 @@ class ModelSource:
 
 
 def load_model(kind: str, path: Optional[str], options: Optional[Mapping[str, Any]],
-               dtype: torch.dtype) -> ModelSource:
-    """The model of kind ``kind`` ("gpt", "hf", "factory"; see the module's docstring)."""
+               dtype: torch.dtype, weights: str = "load") -> ModelSource:
+    """The model of kind ``kind`` ("gpt", "hf", "factory"; see the module's docstring).
+    ``weights`` "random" (hf only): the folder's config.json alone, weights initialised shard by
+    shard as for a meta model (pre-training an HF architecture from scratch)."""
     options = dict(options or {})
+    if weights == "random" and kind == "hf":
+        return _hf(path, options, dtype, random_weights=True)
     if kind == "gpt":
         return _gpt(path, options, dtype)
     if kind == "hf":
@@ -127,7 +131,7 @@ def build_hf(config, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _hf(path, options, dtype) -> ModelSource:
+def _hf(path, options, dtype, random_weights: bool = False) -> ModelSource:
     from transformers import AutoConfig
     if path is None or not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model path {path!r}: expected a folder written by save_pretrained (with config.json)")
@@ -140,10 +144,10 @@ def _hf(path, options, dtype) -> ModelSource:
         raise ConfigError(f"model options {sorted(unused)}: not fields of {type(config).__name__} "
                           f"({os.path.join(path, 'config.json')})")
     model = build_hf(config, dtype)
-    state = SafetensorsState.from_folder(path, model, dtype)
+    state = None if random_weights else SafetensorsState.from_folder(path, model, dtype)
     with torch.no_grad():       # persistent buffers come from the files, like the weights
         for name, buf in model.named_buffers():
-            if name in state:
+            if state is not None and name in state:
                 buf.copy_(state[name])
     text = config.get_text_config()
     return ModelSource(model, state, int(text.vocab_size), getattr(text, "max_position_embeddings", None), "hf",

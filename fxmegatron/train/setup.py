@@ -94,7 +94,7 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     dtype = DTYPES[cfg.run.precision]
     m = cfg.model
     options = _gpt_options(cfg, vocab_data) if m.kind == "gpt" else {}
-    source = load_model(m.kind, m.path or None, options, dtype)
+    source = load_model(m.kind, m.path or None, options, dtype, m.weights)
     if vocab_data > source.vocab_size:
         what = (f"the tokenizer {cfg.data.tokenizer} has {vocab_data} tokens" if cfg.data.kind == "text"
                 else f"{cfg.data.train[0]} holds token ids up to {vocab_data - 1}")

@@ -1,0 +1,31 @@
+"""``fxmegatron train CONFIG --dry-run``: the run's plan (``fxmegatron.train.plan``) from the config,
+with no process group and no weights: parameters and memory per rank, the schedule, and what one
+step costs in FLOPs."""
+from __future__ import annotations
+
+import torch
+
+from fxmegatron.train.metrics import flops_per_token
+from fxmegatron.train.plan import plan_run
+from fxmegatron.train.setup import DTYPES, Prepared
+
+
+def print_plan(prep: Prepared) -> None:
+    cfg, lay = prep.cfg, prep.cfg.layout
+    dtype = DTYPES[cfg.run.precision]
+    grad_accum = torch.float32 if dtype != torch.float32 and (lay.microbatches > 1 or lay.pp > 1) else None
+    batch = prep.batch(prep.train.windows(0), "cpu")
+    device = "cpu" if cfg.run.device == "cpu" else "cuda"
+    plan = plan_run(prep.source.model, batch, dp=lay.dp, pp=lay.pp, tp=lay.tp,
+                    sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
+                    virtual_stages=lay.virtual_stages, microbatches=lay.microbatches, schedule=lay.schedule or None,
+                    param_dtype=dtype, optimizer="fused_adamw" if cfg.optim.fused else "adamw",
+                    grad_accum_dtype=grad_accum, device=device)
+    print(f"config: {cfg.source}")
+    print(plan.format())
+    tokens = cfg.data.global_batch * cfg.data.seq_len
+    f = flops_per_token(prep.source.model, cfg.data.seq_len, prep.layers, prep.hidden)
+    print(f"step: {cfg.data.global_batch} x {cfg.data.seq_len} = {tokens:,} tokens, {f * tokens / 1e12:,.1f} TFLOP "
+          f"(6 x matmul parameters + 6 x layers x seq x hidden per token: causal attention counted as half of "
+          f"full); {cfg.run.steps} steps; data: {prep.tokens_train:,} training tokens, {prep.tokens_valid:,} held out",
+          flush=True)
