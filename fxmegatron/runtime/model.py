@@ -1,5 +1,5 @@
-"""``ParallelModel``: runs one rank's ``RankProgram`` as an ``nn.Module`` (the train step,
-its loss weights, gradient norm and clipping, whole state and dumps)."""
+"""``ParallelModel``: runs one rank's ``RankProgram`` as an ``nn.Module`` (the train and
+eval steps, their loss weights, gradient norm and clipping, whole state and dumps)."""
 from __future__ import annotations
 
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -27,7 +27,8 @@ class ParallelModel(nn.Module):
     """One rank's piece of the parallel program.
 
     ``train_step(batch)`` runs forward and backward over the microbatches (the
-    pipeline schedule when there is one) and returns the loss on every rank.
+    pipeline schedule when there is one) and returns the loss on every rank;
+    ``eval_step(batch)`` the same loss, forward only, with dropout off.
     Without pipeline parallelism the model can also be called with a batch to get
     the loss. ``parameters()`` are this rank's local shards, under the original
     model's names (tied weights appear once per rank). ``program`` is the
@@ -108,10 +109,10 @@ class ParallelModel(nn.Module):
     def forward(self, *args, **kwargs):
         if self.program.pipeline is not None:
             raise RuntimeError("a pipelined model runs whole steps: call train_step(batch) (forward and backward "
-                               "over the microbatches by the schedule)")
+                               "over the microbatches by the schedule), or eval_step(batch) for the loss alone")
         if self.dp_size > 1:
             raise RuntimeError("with data parallelism, call train_step(batch) with the global batch: it takes this "
-                               "rank's share and averages gradients over dp")
+                               "rank's share and averages gradients over dp (eval_step(batch): the loss alone)")
         flat = self._flat(args, kwargs)
         self._check_micro(flat, "batch")
         return self.graph_module(*flat)[0]
@@ -121,15 +122,8 @@ class ParallelModel(nn.Module):
         in ``.grad`` (the optimizer step is the caller's). Returns the batch's loss (detached),
         on every rank: each microbatch's loss is weighted 1/m, which is the whole batch's mean
         loss when the model's loss is a mean over equal microbatches."""
-        flat = self._flat(args, kwargs)
+        micro, weights = self._microbatches(args, kwargs)
         m = self.microbatches
-        names = [f"input {i}" for i in range(len(flat))]
-        if self.dp_size > 1:    # this data-parallel rank's share of the global batch
-            flat = split_batch(flat, self.dp_size, names, f"dp={self.dp_size}")[self.dp_rank]
-        micro = split_batch(flat, m, names)
-        self._check_micro(micro[0], f"microbatch (the batch split over dp={self.dp_size} and m={m})"
-                          if m * self.dp_size > 1 else "batch")
-        weights = self._loss_weights(micro)
         if self._grad_accum is not None:
             self._grad_accum.start(m)
         if self._grad_sync is not None:
@@ -141,7 +135,7 @@ class ParallelModel(nn.Module):
                 (loss * w).backward()
                 total = loss.detach() * w if total is None else total + loss.detach() * w
         else:
-            total = self._runner.run(micro, weights)
+            total = self._runner.run(micro, weights, dropout_off=not self.training)
         if self._grad_accum is not None:
             self._grad_accum.finish()
         if self._grad_sync is not None:
@@ -149,6 +143,47 @@ class ParallelModel(nn.Module):
         if self._runner is not None:
             pipe, pp = self.program.pipeline, self.program.axes["pp"]
             sum_shared_grads(pipe.stage.params, pipe.stage.shared, pp, self.program.device)
+        return self._global_loss(total)
+
+    def eval_step(self, *args, **kwargs) -> torch.Tensor:
+        """The loss of one batch as ``train_step`` weighs it (the mean over every counted token
+        of the global batch, on every rank), forward only: dropout off, no graph kept for a
+        backward, the pipeline's forward-only schedule. Parameters, gradients, the gradient
+        hooks' state, the dropout step and torch's RNG are left as they were, and so is each
+        module's train/eval mode. Collective like ``train_step``: every rank calls it."""
+        micro, weights = self._microbatches(args, kwargs)
+        # per module, not self.train(flag): a submodule the caller set apart stays so
+        modes = [(mod, mod.training) for mod in self.modules()]
+        self.eval()      # the dropout key goes to its eval form, and the step counter stays
+        try:
+            with torch.no_grad():
+                if self._runner is None:
+                    total = None
+                    for mb, w in zip(micro, weights):
+                        loss = self.graph_module(*mb)[0] * w
+                        total = loss if total is None else total + loss
+                else:
+                    total = self._runner.run_forward(micro, weights, dropout_off=True)
+        finally:
+            for mod, training in modes:
+                mod.training = training
+        return self._global_loss(total)
+
+    def _microbatches(self, args, kwargs) -> Tuple[List[List], List[float]]:
+        """This rank's microbatches of the batch (its dp share, split in m) and their loss weights."""
+        flat = self._flat(args, kwargs)
+        m = self.microbatches
+        names = [f"input {i}" for i in range(len(flat))]
+        if self.dp_size > 1:    # this data-parallel rank's share of the global batch
+            flat = split_batch(flat, self.dp_size, names, f"dp={self.dp_size}")[self.dp_rank]
+        micro = split_batch(flat, m, names)
+        self._check_micro(micro[0], f"microbatch (the batch split over dp={self.dp_size} and m={m})"
+                          if m * self.dp_size > 1 else "batch")
+        return micro, self._loss_weights(micro)
+
+    def _global_loss(self, total: Optional[torch.Tensor]) -> torch.Tensor:
+        """The step's loss on every rank: from the last pipeline stage, averaged over dp."""
+        if self._runner is not None:
             total = self._broadcast_loss(total)
         if self.dp_size > 1:
             total = total.detach().float().clone()

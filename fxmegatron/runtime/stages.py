@@ -18,6 +18,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxmegatron.capture import Captured, retarget_device
 from fxmegatron.errors import FxMegatronError
+from fxmegatron.ops.dropout import DropoutRng, rng_key
 from fxmegatron.runtime.materialize import materialize_graph
 from fxmegatron.passes.pipeline_split import Chunk, param_holders
 from fxmegatron.schedules.runtime import TensorSpec
@@ -43,6 +44,10 @@ def split_batch(flat: Sequence, m: int, names: Sequence[str], what: Optional[str
 def boundary_specs(chunks: Sequence[Chunk], placeholder_vals: Sequence) -> Dict[int, List[TensorSpec]]:
     """What each chunk sends to the next (fake propagation on meta; the graph is traced at
     microbatch size)."""
+    # the dropout key keeps its name on every boundary that relays it; its shape with dropout
+    # off is asked of DropoutRng itself, which alone decides it
+    keys = {n.name for c in chunks for n in c.gm.graph.nodes if n.op == "call_function" and n.target is rng_key}
+    key_off = tuple(DropoutRng().eval().next_key("meta").shape)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     micro = [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
              for v in placeholder_vals]
@@ -53,7 +58,8 @@ def boundary_specs(chunks: Sequence[Chunk], placeholder_vals: Sequence) -> Dict[
             args = list(carried) + [micro[i] for i in c.batch_inputs]
             out = FakeTensorProp(c.gm, mode).propagate(*args)
             if c.boundary_out:
-                specs[c.index] = [TensorSpec(tuple(t.shape), t.dtype, g) for t, g in zip(out, c.boundary_grad)]
+                specs[c.index] = [TensorSpec(tuple(t.shape), t.dtype, g, key_off if name in keys else None)
+                                  for t, g, name in zip(out, c.boundary_grad, c.boundary_out)]
                 carried = list(out)
     return specs
 

@@ -101,6 +101,7 @@ class Schedule:
     """A whole pipeline schedule: ``ranks[r]`` is rank ``r``'s ordered actions.
 
     ``p`` pipeline ranks, ``v`` model chunks per rank, ``m`` microbatches.
+    ``forward_only``: an evaluation schedule (forwards and their sends/recvs only).
     """
 
     name: str
@@ -108,6 +109,7 @@ class Schedule:
     v: int
     m: int
     ranks: list[list[Action]] = field(default_factory=list)
+    forward_only: bool = False
 
     @property
     def num_chunks(self) -> int:

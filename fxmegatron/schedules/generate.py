@@ -155,6 +155,26 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
     return _build("interleaved", p, v, m, lambda r: _interleaved_order(p, v, m, r))
 
 
+def forward_only(schedule: Schedule) -> Schedule:
+    """The evaluation schedule of ``schedule``: each rank runs its forwards in the order
+    ``schedule`` runs them, and nothing else (no backward, no gradient sends).
+
+    Dropping the backwards removes only waits: every cross-rank dependency left (a RECV_F
+    on its SEND_F) is one the training schedule has too, so this cannot deadlock where
+    ``schedule`` does not. Keeping the training order, not e.g. microbatch-major order,
+    keeps its overlap: interleaved ranks pass groups of p microbatches along the ring.
+    """
+    if schedule.forward_only:
+        return schedule
+    p, v, m = schedule.p, schedule.v, schedule.m
+
+    def order(r: int) -> list[Compute]:
+        return [(a.kind, a.microbatch, a.chunk) for a in schedule.computes(r) if a.kind == "F"]
+
+    ranks = [add_communication(r, p, v, order(r)) for r in range(p)]
+    return Schedule(name=f"{schedule.name}-forward", p=p, v=v, m=m, ranks=ranks, forward_only=True)
+
+
 def make_schedule(name: str, p: int, v: int, m: int) -> Schedule:
     """Build schedule ``name`` (one of ``gpipe``, ``1f1b``, ``interleaved``)."""
     if name == "gpipe":

@@ -10,6 +10,9 @@
 * Loss: microbatch i's loss is scaled by ``weights[i]`` before its backward, so
   that the sum over microbatches is the whole batch's loss (for a mean loss
   over equal microbatches, weights are 1/m).
+* Evaluation (``run_forward``) runs the forward-only schedule of the training one
+  under ``no_grad`` and keeps nothing for a backward: a boundary tensor is dropped as
+  soon as the next chunk or its send has taken it.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from fxmegatron.errors import PipelineError
 from fxmegatron.schedules.actions import Action, Schedule
+from fxmegatron.schedules.generate import forward_only
 
 ERROR_KEY = "fxmegatron/pipeline_error"
 
@@ -33,6 +37,12 @@ class TensorSpec:
     shape: Tuple[int, ...]
     dtype: torch.dtype
     grad: bool          # a gradient flows back across the boundary for this tensor
+    # the shape with dropout off (module.eval()), where it differs: the dropout key carries a
+    # third word then, and a receive buffer of the training shape would not match the send
+    eval_shape: Optional[Tuple[int, ...]] = None
+
+    def recv_shape(self, dropout_off: bool) -> Tuple[int, ...]:
+        return self.eval_shape if dropout_off and self.eval_shape is not None else self.shape
 
 
 def _store():
@@ -132,6 +142,7 @@ class StageRunner:
                  batch_inputs: Dict[int, List[int]], specs: Dict[int, List[TensorSpec]],
                  peers: Sequence[int], group, device):
         self.schedule, self.rank, self.chunks = schedule, rank, chunks
+        self.forward_schedule = forward_only(schedule)
         self.batch_inputs, self.specs, self.peers, self.group = batch_inputs, specs, list(peers), group
         self.device = device
         self.n_chunks = schedule.p * schedule.v
@@ -142,11 +153,22 @@ class StageRunner:
     def _tag(self, backward: bool, boundary: int, mb: int, j: int) -> int:
         return ((int(backward) * self.n_chunks + boundary) * self.schedule.m + mb) * self.max_tensors + j
 
-    def run(self, microbatches: List[List], weights: Sequence[float]) -> Optional[Tensor]:
+    def run(self, microbatches: List[List], weights: Sequence[float], dropout_off: bool = False) -> Optional[Tensor]:
         """Run the schedule over ``microbatches`` (flat inputs each); returns the sum of the
-        weighted microbatch losses on the rank holding the last chunk, else None."""
+        weighted microbatch losses on the rank holding the last chunk, else None.
+        ``dropout_off``: the chunks are in eval mode (see ``TensorSpec.eval_shape``)."""
+        return self._guarded(self.schedule, microbatches, weights, dropout_off)
+
+    def run_forward(self, microbatches: List[List], weights: Sequence[float],
+                    dropout_off: bool = True) -> Optional[Tensor]:
+        """``run`` without backward, for evaluation: the forward-only schedule, under
+        ``no_grad``, each activation freed once consumed."""
+        with torch.no_grad():
+            return self._guarded(self.forward_schedule, microbatches, weights, dropout_off)
+
+    def _guarded(self, schedule, microbatches, weights, dropout_off):
         try:
-            return self._run(microbatches, weights)
+            return self._run(schedule, microbatches, weights, dropout_off)
         except PipelineError:
             raise
         except BaseException as exc:
@@ -157,18 +179,18 @@ class StageRunner:
             report_failure(exc, self.error_key)
             raise
 
-    def _run(self, microbatches, weights):
+    def _run(self, schedule: Schedule, microbatches, weights, dropout_off: bool):
         # gloo waits block the host: watch the store for failed peers from a helper thread.
         # NCCL waits only order streams (the host goes on), so they are called directly.
         store = _store() if self.group is not None and dist.get_backend(self.group) == "gloo" else None
-        acts = self.schedule.ranks[self.rank]
+        acts = schedule.ranks[self.rank]
+        keep = not schedule.forward_only       # activations stay for the backward
         inputs: Dict[Tuple[int, int], List] = {}        # (mb, chunk) -> boundary inputs (leaves)
         outputs: Dict[Tuple[int, int], object] = {}     # (mb, chunk) -> outputs / loss
         out_grads: Dict[Tuple[int, int], List] = {}     # (mb, chunk) -> grads of its outputs
         in_grads: Dict[Tuple[int, int], List] = {}      # (mb, chunk) -> grads of its inputs
         recv_work: Dict[Tuple[str, int, int], list] = {}
-        send_work: list = []
-        sent: list = []
+        sends: List[Tuple[list, Tensor]] = []          # (works, tensor) of each posted send
         total = None
         i = 0
         while i < len(acts):
@@ -177,7 +199,8 @@ class StageRunner:
                 j = i
                 ops = []
                 while j < len(acts) and not acts[j].is_compute:
-                    ops += self._p2p(acts[j], outputs, in_grads, inputs, out_grads, recv_work)
+                    ops += self._p2p(acts[j], outputs, in_grads, inputs, out_grads, recv_work, keep,
+                                     dropout_off)
                     j += 1
                 if ops:
                     works = dist.batch_isend_irecv([op for op, _ in ops])
@@ -186,28 +209,37 @@ class StageRunner:
                         works = [list(works)] * len(ops)
                     else:
                         works = [[w] for w in works]
-                    for (op, key), ws in zip(ops, works):
-                        (send_work if key is None else recv_work.setdefault(key, [])).extend(ws)
                     # a tensor being sent must outlive its send: on GPU the send runs on NCCL's
                     # stream, and a freed buffer could be handed out again before it is read
-                    sent.extend(op.tensor for op, key in ops if key is None)
+                    for (op, key), ws in zip(ops, works):
+                        if key is None:
+                            sends.append((ws, op.tensor))
+                        else:
+                            recv_work.setdefault(key, []).extend(ws)
                 i = j
                 continue
             key = (a.microbatch, a.chunk)
             if a.kind == "F":
                 self._await(recv_work.pop(("F",) + key, []), store)
-                out = self._forward(a, microbatches[a.microbatch], inputs, outputs)
+                out = self._forward(a, microbatches[a.microbatch], inputs, outputs, keep)
                 if a.chunk == self.n_chunks - 1:
                     loss = out[0] if isinstance(out, (tuple, list)) else out
-                    outputs[key] = loss
+                    if keep:
+                        outputs[key] = loss
                     total = loss.detach() * weights[a.microbatch] if total is None else \
                         total + loss.detach() * weights[a.microbatch]
+                    del loss
+                del out         # the dicts hold what is still to be consumed, and only that
             else:
                 self._await(recv_work.pop(("B",) + key, []), store)
                 self._backward(a, weights, inputs, outputs, out_grads, in_grads)
+            if not keep:
+                # NCCL's works tell when they are done: release sent activations then. Gloo's
+                # stay incomplete until waited on, so there they are released at the end
+                sends = [s for s in sends if not all(w.is_completed() for w in s[0])]
             i += 1
-        self._await(send_work, store)
-        sent.clear()
+        self._await([w for ws, _ in sends for w in ws], store)
+        sends.clear()
         for w in recv_work.values():
             self._await(w, store)
         return total
@@ -216,17 +248,21 @@ class StageRunner:
         if works:
             wait_all(works, store, key=self.error_key)
 
-    def _forward(self, a: Action, batch, inputs, outputs):
+    def _forward(self, a: Action, batch, inputs, outputs, keep: bool):
+        """``keep``: for a backward. Else the boundary inputs are released once passed to the chunk."""
         c, mb = a.chunk, a.microbatch
         if c == 0:
             boundary = []
         elif (mb, c - 1) in outputs and self._local(c - 1):
-            boundary = [t.detach().requires_grad_(s.grad) if s.grad else t
-                        for t, s in zip(outputs[(mb, c - 1)], self.specs[c - 1])]
+            prev = outputs[(mb, c - 1)] if keep else outputs.pop((mb, c - 1))
+            boundary = [t.detach().requires_grad_(s.grad) if s.grad and keep else t
+                        for t, s in zip(prev, self.specs[c - 1])]
         else:   # received buffers become autograd leaves once they have arrived
-            boundary = [t.requires_grad_(s.grad) if s.grad else t
-                        for t, s in zip(inputs[(mb, c)], self.specs[c - 1])]
-        inputs[(mb, c)] = boundary
+            received = inputs[(mb, c)] if keep else inputs.pop((mb, c))
+            boundary = [t.requires_grad_(s.grad) if s.grad and keep else t
+                        for t, s in zip(received, self.specs[c - 1])]
+        if keep:
+            inputs[(mb, c)] = boundary
         out = self.chunks[c](*boundary, *[batch[k] for k in self.batch_inputs[c]])
         if c != self.n_chunks - 1:
             outputs[(mb, c)] = out
@@ -253,18 +289,19 @@ class StageRunner:
                 (t.grad if t.grad is not None else torch.zeros_like(t)) if s.grad else None
                 for t, s in zip(boundary, self.specs[c - 1])]
 
-    def _p2p(self, a: Action, outputs, in_grads, inputs, out_grads, recv_work):
+    def _p2p(self, a: Action, outputs, in_grads, inputs, out_grads, recv_work, keep: bool, dropout_off: bool):
         """(P2POp, recv key or None) for one communication action."""
         peer = self.peers[a.peer]
         ops = []
         if a.kind == "SEND_F":
-            for j, (t, s) in enumerate(zip(outputs[(a.microbatch, a.chunk)], self.specs[a.chunk])):
+            key = (a.microbatch, a.chunk)
+            for j, (t, s) in enumerate(zip(outputs[key] if keep else outputs.pop(key), self.specs[a.chunk])):
                 ops.append((dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group,
                                        self._tag(False, a.chunk, a.microbatch, j)), None))
         elif a.kind == "RECV_F":
             bufs = []
             for j, s in enumerate(self.specs[a.chunk - 1]):
-                buf = torch.empty(s.shape, dtype=s.dtype, device=self.device)
+                buf = torch.empty(s.recv_shape(dropout_off), dtype=s.dtype, device=self.device)
                 bufs.append(buf)
                 ops.append((dist.P2POp(dist.irecv, buf, peer, self.group,
                                        self._tag(False, a.chunk - 1, a.microbatch, j)), ("F", a.microbatch, a.chunk)))

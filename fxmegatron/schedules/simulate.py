@@ -51,6 +51,9 @@ class SimResult:
     ``F(i, c)`` started, ``B(i, c)`` not complete (activation memory in units
     of one chunk, i.e. ``1/v`` of a stage).
 
+    A forward-only schedule keeps nothing for a backward: both peaks are 0, and
+    ``busy[r]`` is ``m * f_time``.
+
     ``timeline[r]``: ``(start, end, action)`` for each compute of rank ``r``.
     """
 
@@ -113,6 +116,8 @@ def _check_action(s: Schedule, r: int, idx: int, a: Action) -> None:
     if a.chunk % s.p != r:
         raise ScheduleError(
             f"{_where(r, idx, a)}: chunk {a.chunk} lives on rank {a.chunk % s.p}, not {r}")
+    if s.forward_only and a.kind[-1] == "B":
+        raise ScheduleError(f"{_where(r, idx, a)}: {a.kind} in a forward-only schedule")
     if a.is_compute:
         return
     peer = _expected_peer(a, s.p, last)
@@ -127,7 +132,8 @@ def _check_action(s: Schedule, r: int, idx: int, a: Action) -> None:
 
 
 def _check_computes(s: Schedule) -> None:
-    """Every (microbatch, chunk) has exactly one F and one B on its rank."""
+    """Every (microbatch, chunk) has exactly one F and one B (no B when forward-only) on its
+    rank."""
     seen: set[tuple[str, int, int]] = set()
     for r, acts in enumerate(s.ranks):
         for idx, a in enumerate(acts):
@@ -135,7 +141,7 @@ def _check_computes(s: Schedule) -> None:
             if a.is_compute and key in seen:
                 raise ScheduleError(f"{_where(r, idx, a)}: duplicate compute")
             seen.add(key)
-    for kind in ("F", "B"):
+    for kind in ("F",) if s.forward_only else ("F", "B"):
         for i in range(s.m):
             for c in range(s.num_chunks):
                 if (kind, i, c) not in seen:
@@ -254,7 +260,8 @@ class _Simulator:
         rk.busy += cost
         rk.timeline.append((start, rk.clock, a))
         rk.done.add((a.kind, a.microbatch, a.chunk))
-        self._track_in_flight(rk, a)
+        if not self.s.forward_only:
+            self._track_in_flight(rk, a)
 
     def _track_in_flight(self, rk: _Rank, a: Action) -> None:
         i = a.microbatch
