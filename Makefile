@@ -1,10 +1,11 @@
 # Two commands do everything, set-up included:
-#   make demo   the main job: trains the bundled GPT on CPU (torchrun, gloo, 4 processes), loss curve in runs/
+#   make demo   the main job: fxmegatron train examples/configs/gpt_tiny.toml on CPU (torchrun, gloo, 4 processes)
 #   make test   the test suite (CPU; GPU tests skip without CUDA)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 4
-DEMO_ARGS ?= --pp 2 --tp 2 --microbatches 2
+DEMO_CONFIG ?= examples/configs/gpt_tiny.toml
+DEMO_ARGS ?=
 
 .PHONY: demo tp-demo test install bench-capture clean
 
@@ -19,14 +20,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) examples/train_gpt.py $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m fxmegatron.train \
+		$(DEMO_CONFIG) --set checkpoint.resume=none $(DEMO_ARGS)
 
 # the unmodified model and fxmegatron side by side, loss by loss
 tp-demo: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/tp_demo.py
 
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
 
 bench-capture: $(VENV)/.installed
 	$(PY) benchmarks/capture_llama8b.py --tp 8

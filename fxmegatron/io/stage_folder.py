@@ -202,7 +202,8 @@ def write_folder(pm, folder: str) -> None:
                         "batch_inputs": c.batch_inputs, "boundary_in": c.boundary_in,
                         "boundary_out": c.boundary_out, "boundary_grad": c.boundary_grad}
                        for c in pipe.chunks],
-            "specs": {str(k): [{"shape": list(s.shape), "dtype": _dtype_name(s.dtype), "grad": s.grad}
+            "specs": {str(k): [{"shape": list(s.shape), "dtype": _dtype_name(s.dtype), "grad": s.grad,
+                                "eval_shape": None if s.eval_shape is None else list(s.eval_shape)}
                                for s in v] for k, v in pipe.specs.items()},
             "shared": {n: {"shape": list(s), "dtype": _dtype_name(d)} for n, (s, d) in pipe.stage.shared.items()},
             "files": dict(sorted(files.items())),
@@ -352,7 +353,8 @@ def load_folder(folder: Union[str, CheckedFolder], mesh, device=None, grad_accum
             if isinstance(sub_m, DropoutRng):
                 sub_m.seed = man["seed"] + DP_SEED_STRIDE * dp.rank
     sched = make_schedule(man["schedule"], pp.size, man["virtual_stages"], man["microbatches"])
-    specs = {int(k): [TensorSpec(tuple(s["shape"]), getattr(torch, s["dtype"]), s["grad"]) for s in v]
+    specs = {int(k): [TensorSpec(tuple(s["shape"]), getattr(torch, s["dtype"]), s["grad"],
+                                 None if s.get("eval_shape") is None else tuple(s["eval_shape"])) for s in v]
              for k, v in man["specs"].items()}
     shared = {n: (tuple(s["shape"]), getattr(torch, s["dtype"])) for n, s in man["shared"].items()}
     placements = {p["name"]: placement_from_json(p["placement"]) for p in man["params"]}

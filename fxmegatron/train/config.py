@@ -236,10 +236,15 @@ def _apply_override(raw: dict, item: str, where: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text
-    raw.setdefault(section, {})
-    if not isinstance(raw[section], dict):
+    table = raw.setdefault(section, {})
+    *outer, leaf = name.split(".")      # model.gpt.n_layer: a key of a nested table
+    for part in outer:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: {section}.{part} must be a table")
+    if not isinstance(table, dict):
         raise ConfigError(f"{where}: {section} must be a table")
-    raw[section][name] = value
+    table[leaf] = value
 
 
 def load(path: str, overrides: Optional[List[str]] = None) -> Config:

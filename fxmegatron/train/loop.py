@@ -84,6 +84,11 @@ def train(prep: Prepared, env: Env, t_start: float) -> int:
             extra = fxmegatron.io.checkpoint.load(pm, opt, resume)
             prep.train.check_state(extra.get("data", {}))
             start = int(extra["step"])
+        if start >= cfg.run.steps:
+            if lead:
+                print(f"fxmegatron train: {resume} is at step {start}, and run.steps is {cfg.run.steps}: nothing to "
+                      f"do (raise run.steps to train on, or set checkpoint.resume = \"none\" to start afresh)")
+            return 0
         return _loop(pm, opt, prep, env, wd, start, resume, t_parallelize, t_start)
 
 
