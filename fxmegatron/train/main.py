@@ -57,11 +57,12 @@ def main(argv=None) -> int:
         return 0
     from fxmegatron.train.loop import train
     env = init_from_env(prep.cfg.run.device, env=env)
-    try:
-        return train(prep, env, T_START)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    code = train(prep, env, T_START)
+    # a rank that tears gloo down while a peer still finishes its last collective can abort that
+    # peer ("terminate called without an active exception"): leave together
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":
