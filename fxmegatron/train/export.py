@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from fxmegatron.errors import CheckpointError, ExportError, FxMegatronError
 from fxmegatron.io.checkpoint import read_extra, read_full_state
-from fxmegatron.train.models import build_hf, load_model, tie_groups
+from fxmegatron.train.models import build_hf, load_model, tie_groups, tied_source
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -82,7 +82,7 @@ def _check_names(model: nn.Module, state: Mapping[str, torch.Tensor], where: str
     tied = tie_groups(model)
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        src = name if name in state else next((t for t in tied.get(name, ()) if t in state), None)
+        src = tied_source(name, state, tied)
         if src is None:
             raise ExportError(f"{where}: the checkpoint has no parameter {name!r} of {type(model).__name__}")
         if tuple(state[src].shape) != tuple(p.shape):

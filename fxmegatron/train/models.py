@@ -57,6 +57,12 @@ class ModelSource:
     example_batch: Any = None
 
 
+def tied_source(name: str, have, tied: Mapping[str, Any]) -> Optional[str]:
+    """The key under which ``name`` is found in ``have``: itself, else a weight tied to it (a tied
+    LM head is stored once, under the embedding's name)."""
+    return name if name in have else next((t for t in tied.get(name, ()) if t in have), None)
+
+
 def load_model(kind: str, path: Optional[str], options: Optional[Mapping[str, Any]],
                dtype: torch.dtype, weights: str = "load") -> ModelSource:
     """The model of kind ``kind`` ("gpt", "hf", "factory"; see the module's docstring).
@@ -211,7 +217,7 @@ class SafetensorsState(Mapping):
         tied = tie_groups(model)
         keys = {}
         for name in expected:
-            src = name if name in in_files else next((t for t in tied.get(name, ()) if t in in_files), None)
+            src = tied_source(name, in_files, tied)
             if src is None:
                 raise ConfigError(f"{folder}: no tensor {name!r} in its safetensors files; "
                                   f"{type(model).__name__} expects it")
