@@ -1,7 +1,7 @@
 """``fxmegatron train`` killed with SIGKILL at a random step and restarted with ``resume = "auto"``
-gives, bit for bit, the losses of a run that was never interrupted (fp32, gloo, CPU), also when it is
-resumed at another pipeline layout (tp 2 -> pp 2 x tp 2). A change of tp or dp changes the order of
-sums (and dp the dropout masks of each replica), so those agree to rounding only: not tested here."""
+gives, bit for bit, the losses of a run that was never interrupted (fp32, gloo, CPU). Resumed at
+another layout (tp 2 -> pp 2 x tp 2) the losses agree to 1e-5: another layout sums in another order
+(here the gradient norm over pipeline ranks, which moves the clip coefficient by an ulp)."""
 import os
 import random
 import signal
@@ -78,5 +78,8 @@ def test_resume_at_another_layout(reference, tmp_path):
     killed_at, log = kill_and_resume(cfg, tmp_path / "run", 2, resume_cfg=other, resume_nproc=4, seed=2)
     assert "pp=2" in log
     loss, _ = losses(tmp_path / "run")
-    # the same tp and dp: the pipeline cut changes no sum, so the losses are bit for bit the same
-    assert loss == ref_loss, (killed_at, loss, ref_loss, log)
+    # the pipeline cut reorders the gradient norm's sum over ranks, which moves the clip
+    # coefficient by an ulp: equal to rounding, not bit for bit
+    assert loss[:killed_at - 2] == ref_loss[:killed_at - 2]
+    for step, (a, b) in enumerate(zip(loss, ref_loss)):
+        assert abs(float(a) - float(b)) <= 1e-5 * abs(float(b)), (step, a, b, log)
