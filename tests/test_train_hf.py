@@ -27,7 +27,8 @@ def held_out_loss(model_dir, cfg_path, batches):
     """The exported model's mean loss over the trainer's held-out batches (one process, eager)."""
     from transformers import AutoModelForCausalLM
 
-    from fxmegatron.train.setup import load_config, prepare
+    from fxmegatron.train.config import load as load_config
+    from fxmegatron.train.setup import prepare
     prep = prepare(load_config(str(cfg_path)), None)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, torch_dtype=torch.float32)
     model.train(False)

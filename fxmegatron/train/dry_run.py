@@ -3,24 +3,20 @@ with no process group and no weights: parameters and memory per rank, the schedu
 step costs in FLOPs."""
 from __future__ import annotations
 
-import torch
-
 from fxmegatron.train.metrics import flops_per_token
 from fxmegatron.train.plan import plan_run
-from fxmegatron.train.setup import DTYPES, Prepared
+from fxmegatron.train.setup import Prepared
 
 
 def print_plan(prep: Prepared) -> None:
     cfg, lay = prep.cfg, prep.cfg.layout
-    dtype = DTYPES[cfg.run.precision]
-    grad_accum = torch.float32 if dtype != torch.float32 and (lay.microbatches > 1 or lay.pp > 1) else None
     batch = prep.batch(prep.train.windows(0), "cpu")
     device = "cpu" if cfg.run.device == "cpu" else "cuda"
     plan = plan_run(prep.source.model, batch, dp=lay.dp, pp=lay.pp, tp=lay.tp,
                     sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     virtual_stages=lay.virtual_stages, microbatches=lay.microbatches, schedule=lay.schedule or None,
-                    param_dtype=dtype, optimizer="fused_adamw" if cfg.optim.fused else "adamw",
-                    grad_accum_dtype=grad_accum, device=device)
+                    param_dtype=prep.dtype, optimizer="fused_adamw" if cfg.optim.fused else "adamw",
+                    grad_accum_dtype=prep.grad_accum_dtype, device=device)
     print(f"config: {cfg.source}")
     print(plan.format())
     tokens = cfg.data.global_batch * cfg.data.seq_len

@@ -17,7 +17,7 @@ from fxmegatron.runtime.grad_norm import scale_grads_
 from fxmegatron.train import checkpoints
 from fxmegatron.train.lr import lr_at
 from fxmegatron.train.metrics import Metrics, Progress, flops_per_token, peak_memory_gib
-from fxmegatron.train.setup import DTYPES, Prepared
+from fxmegatron.train.setup import Prepared
 from fxmegatron.train.watchdog import Watchdog, check_finite
 
 H100_BF16_TFLOPS = 989.0
@@ -65,8 +65,6 @@ def train(prep: Prepared, env: Env, t_start: float) -> int:
     mesh = make_mesh(env, dp=lay.dp, pp=lay.pp, tp=lay.tp)
     src = prep.source
     example = prep.batch(prep.train.windows(0), device)
-    grad_accum = torch.float32 if (DTYPES[cfg.run.precision] != torch.float32 and
-                                   (lay.microbatches > 1 or lay.pp > 1)) else None
     first = cfg.run.first_step_s
     with Watchdog(env.rank, env.world, cfg.run.watchdog_s, first_step_timeout_s=first) as wd:
         wd.step(-1, timeout_s=first)     # parallelize, as a step of its own with the first step's allowance
@@ -75,7 +73,7 @@ def train(prep: Prepared, env: Env, t_start: float) -> int:
                                     recompute=lay.recompute, microbatches=lay.microbatches,
                                     virtual_stages=lay.virtual_stages, schedule=lay.schedule or None, fuse=lay.fuse,
                                     compile=lay.compile, tp_comm_overlap=lay.overlap, state_dict=src.state_dict,
-                                    seed=cfg.run.seed, grad_accum_dtype=grad_accum)
+                                    seed=cfg.run.seed, grad_accum_dtype=prep.grad_accum_dtype)
         t_parallelize = time.perf_counter() - t0
         opt = build_optimizer(pm, cfg)
         start = 0

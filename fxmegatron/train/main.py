@@ -37,7 +37,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from fxmegatron.train.setup import load_config, prepare
+    from fxmegatron.train.config import load as load_config
+    from fxmegatron.train.setup import prepare
     env = read_env(one_process_port=ONE_PROCESS_PORT) if not args.dry_run else None
     lead = env is None or env.lead
     try:

@@ -13,7 +13,7 @@ import torch
 from fxmegatron.errors import ConfigError, DataError
 from fxmegatron.train import config as config_mod
 from fxmegatron.train.config import Config
-from fxmegatron.train.data import (Batches, TokenStream, eval_windows, memmap_tokens, split_stream, text_tokens,
+from fxmegatron.train.data import (Batches, eval_windows, memmap_tokens, split_stream, text_tokens,
                                    tokenizer_vocab_size)
 from fxmegatron.train.models import ModelSource, load_model
 
@@ -33,6 +33,17 @@ class Prepared:
     n_params: int                      # the whole model's, tied weights once
     layers: Optional[int]              # from the model's config, for the attention FLOPs (None: unknown)
     hidden: Optional[int]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.cfg.run.precision]
+
+    @property
+    def grad_accum_dtype(self) -> Optional[torch.dtype]:
+        """fp32 sums of bf16 gradients wherever a step accumulates (microbatches, pipeline chunks)."""
+        lay = self.cfg.layout
+        accumulates = lay.microbatches > 1 or lay.pp > 1
+        return torch.float32 if self.dtype != torch.float32 and accumulates else None
 
     def batch(self, windows: torch.Tensor, device) -> Any:
         """What the model's forward takes, from windows of seq_len + 1 tokens."""
@@ -114,10 +125,3 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     n_params = sum(p.numel() for p in model.parameters())
     return Prepared(cfg, source, batches, held_out, len(train), len(valid), vocab_data, name, n_params,
                     layers, hidden)
-
-
-def load_config(path: str, overrides: Optional[List[str]] = None) -> Config:
-    return config_mod.load(path, overrides)
-
-
-__all__ = ["Prepared", "prepare", "load_config", "TokenStream"]
