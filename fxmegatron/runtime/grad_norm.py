@@ -1,8 +1,13 @@
 """The whole (unsplit) model's gradient norm from one rank's shards, and clipping by it, as
-``torch.nn.utils.clip_grad_norm_`` computes them on the unmodified model."""
+``torch.nn.utils.clip_grad_norm_`` computes them on the unmodified model.
+
+The squares are summed in one order whatever the pipeline cut: each parameter's square goes
+into its slot of a vector in the model's parameter order, one pipeline rank fills it (the
+others add zeros, which is exact), and the vector is summed at the end. So a run resumed
+with another pp computes the same norm, bit for bit, and clips by the same coefficient."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Mapping, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -11,23 +16,27 @@ import torch.nn as nn
 from fxmegatron.mesh import Axis
 
 
-def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], holders: Callable[[str], int],
-              axes: Mapping[str, Axis], device) -> torch.Tensor:
-    """fp32, on the device, no host sync; collective over tp and pp. ``holders(name)``: how
-    many ranks of tp x pp hold the whole gradient ``name`` (a replicated weight on each tp
-    rank, a tied weight on several stages): its square counts once."""
-    by_holders: Dict[int, List[torch.Tensor]] = {}
+def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], order: Sequence[str],
+              counts: Callable[[str], bool], axes: Mapping[str, Axis], device) -> torch.Tensor:
+    """fp32, on the device, no host sync; collective over tp and pp. ``order``: every
+    parameter name of the whole model; ``counts(name)``: whether this rank's square of
+    ``name`` is counted: once per tp shard (a weight replicated over tp counts on tp rank 0
+    only) and on one pipeline rank (a tied weight's first holder)."""
+    slot = {n: i for i, n in enumerate(order)}
+    idx: List[int] = []
+    grads: List[torch.Tensor] = []
     for name, p in named_params:
-        if p.grad is not None:
-            by_holders.setdefault(holders(name), []).append(p.grad.detach())
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for n, grads in by_holders.items():
+        if p.grad is not None and counts(name):
+            idx.append(slot[name])
+            grads.append(p.grad.detach())
+    sq = torch.zeros(len(order), dtype=torch.float32, device=device)
+    if grads:
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        sq += torch.stack(norms).square().sum() / n
+        sq[torch.tensor(idx, device=device)] = torch.stack(norms).square()
     for dim in ("tp", "pp"):
         if axes[dim].size > 1:
             dist.all_reduce(sq, group=axes[dim].group)
-    return sq.sqrt()
+    return sq.sum().sqrt()
 
 
 def scale_grads_(params: Iterable[nn.Parameter], coef: torch.Tensor) -> None:

@@ -211,15 +211,20 @@ class ParallelModel(nn.Module):
         return t
 
     # ---- the whole model's gradient norm -----------------------------------------
-    def _holders_of(self, name: str) -> int:
-        tp = self.tp_size if self.placement(name) == R else 1
-        return tp * len(self._holders.get(name, (0,)))
+    def _counts_square(self, name: str) -> bool:
+        """Whether this rank's gradient square of ``name`` enters the norm: each tp shard once
+        (a weight replicated over tp on tp rank 0), on the first pipeline rank holding it."""
+        if self.placement(name) == R and self.tp_rank != 0:
+            return False
+        holders = self._holders.get(name)
+        return holders is None or holders[0] == self.pp_rank
 
     def grad_norm(self) -> torch.Tensor:
         """The norm of the whole (unsplit) model's gradient, as ``torch.nn.utils.clip_grad_norm_``
         on the unmodified model computes it (fp32, on the device, no host sync). Collective over
         tp and pp (every rank must call it)."""
-        return grad_norm(self.named_parameters(), self._holders_of, self.program.axes, self.program.device)
+        return grad_norm(self.named_parameters(), self.program.param_order, self._counts_square, self.program.axes,
+                         self.program.device)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that the norm of the whole (unsplit) model's gradient is at most
