@@ -19,6 +19,7 @@ from fxmegatron.runtime.data_parallel import GradSync
 from fxmegatron.runtime.gather import gather_stages, gather_tp, sum_shared_grads
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
+from fxmegatron.runtime.logits import LogitsForward
 from fxmegatron.runtime.stages import loss_weights, split_batch
 from fxmegatron.schedules.runtime import StageRunner
 
@@ -28,7 +29,8 @@ class ParallelModel(nn.Module):
 
     ``train_step(batch)`` runs forward and backward over the microbatches (the
     pipeline schedule when there is one) and returns the loss on every rank;
-    ``eval_step(batch)`` the same loss, forward only, with dropout off.
+    ``eval_step(batch)`` the same loss, forward only, with dropout off; ``logits(batch)``
+    the logits the loss is computed from (without pipeline parallelism).
     Without pipeline parallelism the model can also be called with a batch to get
     the loss. ``parameters()`` are this rank's local shards, under the original
     model's names (tied weights appear once per rank). ``program`` is the
@@ -53,6 +55,7 @@ class ParallelModel(nn.Module):
         pipe = program.pipeline
         self._runner: Optional[StageRunner] = None
         self._holders: Dict[str, Tuple[int, ...]] = {}
+        self._logits: Optional[LogitsForward] = None     # made on the first logits() call
         uses: Dict[int, int] = {}
         if pipe is not None:
             self.stages = nn.ModuleDict({str(k): m for k, m in pipe.stage.modules.items()})
@@ -168,6 +171,48 @@ class ParallelModel(nn.Module):
             for mod, training in modes:
                 mod.training = training
         return self._global_loss(total)
+
+    def logits(self, *args, gather: bool = True, **kwargs) -> torch.Tensor:
+        """The logits of a batch, forward only, as the unmodified model computes them: the
+        tensor its loss reads, before the loss flattens, upcasts or shifts it (the LM head's
+        [B, S, V] output; HF models return it as ``.logits``). The batch has the example
+        batch's structure, labels included or left out (the logits do not read them), and any
+        multiple of the rows the graph was traced at (the example batch's rows over dp and
+        microbatches): it runs in pieces of that size, concatenated along dim 0. With
+        dp > 1 each rank runs the batch it is given, as it is: no share is taken.
+
+        With tp > 1 the LM head is vocab-parallel. ``gather=True`` all-gathers the whole
+        vocabulary on every tp rank; ``gather=False`` returns this rank's shard: columns
+        ``[tp_rank * n, (tp_rank + 1) * n)`` of the vocabulary, ``n = out.shape[-1]`` (the
+        whole vocabulary when tp left the LM head unsplit). Under sequence parallelism the
+        sequence is always whole. Collective over tp: every tp rank calls it, with the same
+        batch.
+
+        Dropout is off and nothing is kept for a backward; parameters, gradients, the
+        dropout step, torch's RNG and every module's train/eval mode stay as they were. The
+        first call cuts the program's fx graph at the logits (``passes.logits_output``,
+        cached): that graph runs as it is, fused groups included, but not through
+        ``torch.compile`` when the program was compiled with ``compile=True``. Not for a
+        pipelined program (a RuntimeError): the logits live on the last stage's rank. A graph
+        without exactly one cross-entropy to find the logits from raises a ``PassError``."""
+        if self.program.pipeline is not None:
+            raise RuntimeError(f"logits() needs the whole model on each rank, but this program is split into "
+                               f"pipeline stages (pp={self.pp_size}, {len(self.program.pipeline.chunks)} chunks): "
+                               f"the logits live on the last stage; use eval_step(batch) for the loss")
+        if self._logits is None:
+            self._logits = LogitsForward(self.program)
+        flat = self._logits.flat(args, kwargs)
+        if self.batch_checks > 0:
+            self.batch_checks -= 1
+            check_same_batch(flat, list(self.program.input_names), self.program.axes)
+        modes = [(mod, mod.training) for mod in self.modules()]
+        self.eval()      # as in eval_step: the dropout key in its eval form, the step counter kept
+        try:
+            with torch.no_grad():
+                return self._logits(flat, gather)
+        finally:
+            for mod, training in modes:
+                mod.training = training
 
     def _microbatches(self, args, kwargs) -> Tuple[List[List], List[float]]:
         """This rank's microbatches of the batch (its dp share, split in m) and their loss weights."""
