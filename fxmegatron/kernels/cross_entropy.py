@@ -98,10 +98,13 @@ def vocab_ce_backward(logits: Tensor, local_target: Tensor, lse: Tensor, g: Tens
     _, bwd = _kernels()
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     n, v = x.shape
-    dx = torch.empty((n, v), dtype=x.dtype, device=x.device)
+    # Triton's interpreter truncates fp32 -> bf16/fp16 where GPUs round to nearest even (as
+    # torch's cast does): there, write fp32 and let torch round
+    narrow_on_host = not x.is_cuda and x.dtype != torch.float32
+    dx = torch.empty((n, v), dtype=torch.float32 if narrow_on_host else x.dtype, device=x.device)
     bwd[(n, (v + _BV_BWD - 1) // _BV_BWD)](x, local_target.contiguous(), lse, g.contiguous(), dx, v,
                                             x.stride(0), BV=_BV_BWD)
-    return dx
+    return dx.to(x.dtype) if narrow_on_host else dx
 
 
 @vocab_ce_backward.register_fake

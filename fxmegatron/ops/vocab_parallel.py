@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -28,14 +29,16 @@ def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int,
 
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int,
                                  group_name: str, reduction: int = 1,
-                                 ignore_index: int = -100) -> Tensor:
+                                 ignore_index: int = -100, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Cross-entropy over logits split along the class (last) dim.
 
     Three all-reduces of ``N`` numbers instead of gathering ``N x V`` logits:
     the max (for stability), the sum of exponentials and the target's logit.
     ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
+    ``out_dtype``: the loss's dtype (default the logits'); ``passes.loss_upcast`` sets float32
+    where the model upcast its logits only to compute this loss.
     """
-    out_dtype = logits.dtype
+    out_dtype = out_dtype or logits.dtype
     from fxmegatron.codegen.where_kernels_run import kernels_in_compiled_graph, kernels_run
     # a real GPU tensor, the interpreter, or torch.compile tracing for either (the op stays a call)
     if kernels_run(logits) or kernels_in_compiled_graph(logits):
