@@ -18,7 +18,9 @@ from fxmegatron.capture import Captured, capture
 from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import ScheduleError, ShardingError
 from fxmegatron.mesh import Axis
+from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.dropout_rng import apply_counter_rng
+from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.pipeline_split import split_pipeline
@@ -52,6 +54,8 @@ def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_pa
         return gm
 
     passes = [Pass("tensor_parallel", tensor_parallel, ensures={"tp_rewritten"})]
+    passes.append(Pass("loss_reads_logits_dtype", loss_reads_logits_dtype, requires={"tp_rewritten"}))
+    passes.append(Pass("attention_rewrites", attention_rewrites, requires={"tp_rewritten"}))
     if tp == 1:
         passes.append(Pass("drop_trivial_collectives", drop_trivial_collectives, requires={"tp_rewritten"}))
     passes.append(Pass("counter_rng", lambda gm: apply_counter_rng(gm, tp_rank, tp, seed + DP_SEED_STRIDE * dp_rank),
