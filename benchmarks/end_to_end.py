@@ -1,26 +1,52 @@
-"""End to end: the bundled GPT trained by several frameworks side by side, one table.
+"""End to end: one model trained by several frameworks side by side, one table.
 
-Every layout trains the same GPT (examples/gpt.py: learned positions, LayerNorm,
-tanh-GeLU, untied embeddings, bias, dropout 0) on the same synthetic batch with the
-same optimizer, one layout after the other in one process group:
+Every layout trains the same model (the bundled GPT, or an unmodified Hugging Face causal LM)
+on the same synthetic batch with the same optimizer, one layout after the other in one
+process group:
 
     python benchmarks/end_to_end.py --model gpt1.3b --layouts eager,compile,fx,fx-fuse        # one GPU
+    python benchmarks/end_to_end.py --model hf-llama1b --layouts eager,compile,fx,fx-compile
     torchrun --nproc-per-node 4 benchmarks/end_to_end.py --model gpt6.7b \\
         --layouts native-tp4,fx-tp4,fx-tp2-pp2-v2,fx-pp4-1f1b,fx-pp4-v2,fx-dp2-tp2
+    torchrun --nproc-per-node 4 benchmarks/end_to_end.py --model hf-llama8b --layers 8 --layouts native-tp4,fx-tp4
+    python benchmarks/end_to_end.py --hf-config path/to/config.json --layouts eager,compile,fx
     # CPU smoke runs (gloo), with the loss check against the plain model:
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/end_to_end.py --tiny --device cpu \\
         --dtype float32 --check --steps 2 --warmup 1 \\
         --layouts native-tp4,fx-tp4,fx-tp2-pp2-v2,fx-pp4-1f1b,fx-pp4-v2,fx-dp2-tp2
     python benchmarks/end_to_end.py --tiny --device cpu --dtype float32 --check --layouts eager,compile,fx \\
         --steps 2 --warmup 1
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/end_to_end.py --model hf-llama1b \\
+        --tiny --device cpu --check --steps 2 --warmup 1 --layouts native-tp2,fx-tp2
 
-Models (--model; --layers/--hidden/--heads/--seq/--vocab/--global-batch override):
-gpt1.3b (24 layers, h 2048, 16 heads, s 2048, V 50304, global batch 8), gpt6.7b
-(32, 4096, 32, 2048, 50304, batch 16), gpt13b (40, 5120, 40, 2048, 50304, batch 32);
---tiny: 8 layers, h 64, 4 heads, s 64, V 512, batch 16 (8 layers: fx-pp4-v2 cuts the
-model into 8 chunks of at least one block each; batch 16: with 8, pipeline microbatches
-hold one sequence, and fxmegatron's gloo-only reduce-scatter then returns a view of its
-input, which torch.library refuses).
+Models (--model, or --hf-config):
+- The bundled GPT (examples/gpt.py: learned positions, LayerNorm, tanh-GeLU, untied
+  embeddings, bias, dropout 0): gpt1.3b (24 layers, h 2048, 16 heads, s 2048, V 50304,
+  global batch 8), gpt6.7b (32, 4096, 32, 2048, 50304, batch 16), gpt13b (40, 5120, 40, 2048,
+  50304, batch 32); --layers/--hidden/--heads/--seq/--vocab/--global-batch override. --tiny: 8
+  layers, h 64, 4 heads, s 64, V 512, batch 16 (8 layers: fx-pp4-v2 cuts the model into 8
+  chunks of at least one block each; batch 16: with 8, pipeline microbatches hold one
+  sequence, and fxmegatron's gloo-only reduce-scatter then returns a view of its input, which
+  torch.library refuses).
+- Hugging Face models, unmodified: ``AutoModelForCausalLM.from_config`` (random weights),
+  ``attn_implementation="sdpa"``, ``use_cache=False`` (a training forward needs no KV cache;
+  with one, each torch.compiled decoder layer of native-tpN recompiles on the cache's
+  per-layer state and passes torch's limit of 8 recompilations, running the rest eagerly).
+  ``hf-llama1b``: LlamaConfig with Llama-3.2-1B's shapes (16 layers, h 2048, 32 heads, 8 kv
+  heads, SwiGLU ffn 8192, V 128256, rope theta 500000 (its llama3 rope scaling left out: no
+  shape or cost changes), tied embeddings); ``hf-qwen1.5b``: Qwen2Config with Qwen2.5-1.5B's
+  (28 layers, h 1536, 12 heads, 2 kv heads, ffn 8960, V 151936, q/k/v bias, tied);
+  ``hf-llama8b``: Llama-3-8B's layers (h 4096, 32 heads, 8 kv heads, ffn 14336, V 128256,
+  untied), 4 of its 32 by default. All: s 2048, global batch 4. ``--hf-config PATH_OR_JSON``:
+  any config instead of --model: a config.json, a folder holding one, or the JSON text itself
+  (with its model_type); s 2048, batch 4. --layers/--seq/--vocab/--global-batch override;
+  --hidden/--heads shape GPT only (for an HF model they are refused: write a config).
+  --tiny: the preset's family and tying at 4 layers, h 64, 8 heads, 4 kv heads, ffn 128,
+  V 512, s 64, batch 16 (with --hf-config: s 64 and batch 16, the config as given).
+  A batch is ``{"input_ids": ids, "labels": ids}``: the model shifts the labels, and its own
+  loss (``ForCausalLMLoss``: fp32 logits, mean cross-entropy over the s - 1 predicted tokens
+  of each sequence) is what every layout trains, fxmegatron included (as its trainer feeds HF
+  models); tokens/s still counts B·s.
 
 Layouts (--layouts, a comma list; the product of the parallel sizes must equal the
 number of processes):
@@ -35,53 +61,89 @@ number of processes):
   gathered, as fxmegatron does); the position embedding wpe stays replicated and its
   output is cut to the rank's sequence shard (Megatron's way); each Block is wrapped in
   ``torch.compile``. Attention runs on the local heads (a forward that views
-  ``(B, T, -1, head_dim)``: the same math).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-fadam][-acc32][-ovN][-nccl|-ce]``:
+  ``(B, T, -1, head_dim)``: the same math). HF models (model_type llama, qwen2 or mistral):
+  the same plan on HF's names: embed_tokens RowwiseParallel (output Shard(1)),
+  input_layernorm/post_attention_layernorm/norm SequenceParallel, self_attn/mlp
+  PrepareModuleInput Shard(1) -> Replicate, q/k/v_proj and gate/up_proj ColwiseParallel,
+  o_proj/down_proj RowwiseParallel (output Shard(1)), lm_head ColwiseParallel (input
+  Shard(1), output Shard(-1)) and the model's own loss under ``loss_parallel()``; each
+  decoder layer in ``torch.compile``; a tied LM head tied to the sharded embedding again.
+  The hidden states between layers stay sequence-sharded DTensors (HF reads the sequence
+  length, and so the rotary positions, off the embedding's output); HF's attention views
+  ``(*input_shape, -1, head_dim)``, so the local heads need no change
+  (benchmarks/e2e/hf_builders.py says more).
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
-  meta device. tp > 1 turns sequence parallelism on (``-nosp``: off); ``-vN`` virtual
-  stages (interleaved 1F1B); ``-mN`` microbatches (default: --microbatches, 8, when pp > 1,
-  else 1); ``-fuse``: generated Triton kernels; ``-compile``: each rank's graph (or
-  pipeline chunk) through torch.compile (``-cgraphs``: its mode "reduce-overhead", CUDA graphs;
-  ``-autotune``: "max-autotune-no-cudagraphs"); ``-rsel``/``-rfull``: recomputation; ``-fadam``:
-  fxmegatron's optimizer (``fxmegatron.optim.FusedAdamW``: the same AdamW on fp32 masters in
-  one pass, the clip's scale folded in) instead of the shared one; ``-acc32``: gradients summed
-  over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-ovN``: sequence
+  meta device (an HF model as fxmegatron's trainer builds it). tp > 1 turns sequence
+  parallelism on (``-nosp``: off); ``-vN`` virtual stages (interleaved 1F1B); ``-mN``
+  microbatches (default: --microbatches, 8, when pp > 1, else 1); ``-fuse``: generated Triton
+  kernels; ``-compile``: each rank's graph (or pipeline chunk) through torch.compile
+  (``-cgraphs``: its mode "reduce-overhead", CUDA graphs; ``-autotune``:
+  "max-autotune-no-cudagraphs"); ``-rsel``/``-rfull``: recomputation; ``-acc32``: gradients
+  summed over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-ovN``: sequence
   parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
   (``tp_comm_overlap=N``; over copy engines, the tp ranks' sequence slices, whatever N),
   moved by the copy engines where the group has symmetric memory
-  (``-ce``: insist on it) or by NCCL (``-nccl``): ``tp_comm_transport``.
+  (``-ce``: insist on it) or by NCCL (``-nccl``): ``tp_comm_transport``. ``-fadam`` (which
+  once gave fxmegatron rows FusedAdamW alone) is still accepted and does nothing: every row
+  now uses --optimizer's optimizer; with ``--optimizer master`` it is refused.
 - ``-mN`` on eager/compile/native-tpN: gradient accumulation over N microbatches.
 
-A step = forward + backward (``pm.train_step(ids, labels)`` for fxmegatron), clipping
-to norm 1.0 (``torch.nn.utils.clip_grad_norm_``, which takes DTensor gradients, or
-``pm.clip_grad_norm_``), and AdamW (lr 1e-4, fused on CUDA) on fp32 master copies of the
-model's parameters (bf16 by default): Megatron's mixed precision, the same class
-(``MasterWeightAdamW``) for every layout but ``-fadam`` ones (the same update, fused).
+A step: the model phase, forward + backward of the global batch (``pm.train_step(batch)`` for
+fxmegatron) and the gradient norm, unclipped (``torch.nn.utils.get_total_norm``, which takes
+DTensor gradients, or ``pm.grad_norm()``); then the optimizer phase, the clip to norm 1.0 and
+AdamW (lr 1e-4, torch's defaults otherwise) on fp32 master copies of the model's parameters
+(bf16 by default): Megatron's mixed precision. The optimizer is the same for every row,
+baselines included (--optimizer):
+- ``fused`` (default): ``fxmegatron.optim.FusedAdamW``, AdamW on the masters in one pass
+  (native-tpN's DTensor parameters through their local shards), the clip folded in:
+  ``opt.step(clip_coefficient(norm, 1.0))``, the scale min(1, 1 / (norm + 1e-6)) that
+  ``clip_grad_norm_`` applies.
+- ``master``: ``MasterWeightAdamW`` (benchmarks/e2e/master_weights.py: torch.optim.AdamW,
+  fused on CUDA, on the masters; the gradients copied in, the masters copied back) after the
+  gradients are scaled by that coefficient (``torch.nn.utils.clip_grads_with_norm_``, the
+  second half of ``clip_grad_norm_``; fxmegatron: ``pm.clip_grad_norm_``'s scaling).
 
 Measured per layout: --warmup steps, then --steps timed steps (synchronised, a barrier
-before each; a step's time is the slowest rank's), median step time; tokens/s =
-B·s / step time with B the global batch; model FLOPs per step (Korthikanti et al. 2022,
-activation recomputation not counted)
+before each; a step's time is the slowest rank's), median step time; ``model ms`` and
+``optim ms``: the medians of the two phases' times (a ``torch.cuda.Event`` before, between
+and after them, no synchronisation inside the step; perf_counter on CPU), each step's the
+slowest rank's, so they add up to about the step time, not exactly; tokens/s = B·s / step
+time with B the global batch; model FLOPs per step (activation recomputation not counted)
 
-    F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
+    F = 6·B·s·P + 12·B·l·s²·(a·d)
+
+P: the weights of the model's matmuls, every nn.Linear (and HF Conv1D) counted per module:
+attention q, k, v (with GQA, k and v are kv_heads·d wide), o; the MLP's 2 (GPT) or 3
+(SwiGLU: gate, up, down, h×ffn each); the LM head, counted when tied to the embedding too;
+the embedding lookup and biases not counted. 6·B·s·P: 2 FLOPs a weight a token forward, 4
+backward. 12·B·l·s²·(a·d), with a heads of dim d: the scores QKᵀ and their product with V,
+2·B·s²·(a·d) FLOPs each in the forward, times 3 with the backward, the causal mask's
+skipped half counted as if computed (as Korthikanti et al. 2022 count it). For GPT (P =
+12·l·h² + V·h, a·d = h) this is Korthikanti's F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)). A
+mixture of experts would count every expert (an upper bound).
 
 TFLOP/s per GPU = F / step time / world size; MFU against a bf16 8192×8192×8192 matmul
 timed at the start of the run (--peak-tflops overrides); peak memory (max over ranks of
 torch.cuda.max_memory_allocated, reset after the layout's model is built, so the
-fp32-then-cast build of eager/native models is not counted); loss of the first and
+fp32-then-cast build of eager/native GPT models is not counted); loss of the first and
 last step. Then one more step under torch.profiler on rank 0, whose GPU kernels give:
 compute (union of the non-communication kernels), exposed communication (a collective
 NCCL kernel running and no compute kernel), pipeline bubble (an NCCL send/recv kernel
 running and no compute kernel) and idle (the step's wall time minus the union of all
 kernels), printed in ms and in % of the profiled step's wall time (which the profiler
 makes somewhat longer than the median step). CPU runs profile too (--profile-dir writes
-their traces) but have no kernels, so the breakdown is left empty.
+their traces) but have no kernels, so the breakdown is left empty. --json writes every row
+(``optimizer``, ``model_ms``, ``optim_ms`` and their per-step lists among its fields) and the
+model's shapes, parameter counts and F.
 
-``--check`` (float32) trains the plain model for the first two steps and compares every
-layout's first two losses and first gradient norm (before clipping) with it; more than
-1e-4 relative anywhere, or a layout that fails, exits non-zero. fxmegatron layouts then
-get the plain model's weights (``state_dict=``); otherwise they initialise their own
-shards (N(0, 0.02)), so their first loss differs slightly from eager's.
+``--check`` (float32) trains the plain model for the first two steps (with the run's
+optimizer) and compares every layout's first two losses and first gradient norm (before
+clipping) with it; more than 1e-4 relative anywhere, or a layout that fails, exits
+non-zero. fxmegatron layouts then get the plain model's weights (``state_dict=``);
+otherwise they initialise their own shards (N(0, 0.02)), so their first loss differs
+slightly from eager's. An HF config with dropout fails the check (fxmegatron draws its own
+masks); the presets have none.
 
 A layout that fails (an OOM, say) gives an "error" row and the run goes on: ranks agree
 through an all-reduce of a failure flag after each layout. A rank that fails in the
@@ -95,9 +157,9 @@ hung in its first step (every boundary relayed sequence parallelism's per-parame
 copies: 39 tensors per microbatch instead of 1).
 
 This script parses the arguments and runs the rounds; the parts are in benchmarks/e2e/:
-layouts (the names above), master_weights (``MasterWeightAdamW``), builders (each
-framework's model), measure (timing, memory), profiling (the breakdown), report (the table,
-the --check, --json).
+models (the model, its batch, loss and FLOPs), layouts (the names above), optimizers and
+master_weights (--optimizer), builders and hf_builders (each framework's model), measure
+(timing, memory), profiling (the breakdown), report (the table, the --check, --json).
 """
 from __future__ import annotations
 
@@ -113,12 +175,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # benchmarks/: the e2e package
 
 import e2e  # noqa: E402,F401  (puts examples/ and the repository root on sys.path)
-from e2e.builders import count_params, make_batch, reference_losses  # noqa: E402
-from e2e.layouts import MODELS, check_layout, parse_layout  # noqa: E402
+from e2e.builders import reference_losses  # noqa: E402
+from e2e.layouts import check_layout, parse_layout  # noqa: E402
 from e2e.measure import matmul_tflops, merge_rounds, run_guarded  # noqa: E402
+from e2e.models import HF_MODELS, MODEL_NAMES, build_spec  # noqa: E402
+from e2e.optimizers import OPTIMIZERS  # noqa: E402
 from e2e.report import (CHECK_RTOL, check_rows, print_header, print_round, print_rounds,  # noqa: E402
                         print_table, write_json)
-from gpt import GPTConfig  # noqa: E402
 
 from fxmegatron.runtime.distributed import init_from_env, make_mesh, read_env  # noqa: E402
 
@@ -126,8 +189,12 @@ from fxmegatron.runtime.distributed import init_from_env, make_mesh, read_env  #
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt1.3b", choices=[k for k in MODELS if k != "tiny"])
-    ap.add_argument("--tiny", action="store_true", help="8 layers, h 64, 4 heads, s 64, V 512, batch 16 (CPU smoke)")
+    ap.add_argument("--model", default="gpt1.3b", choices=MODEL_NAMES)
+    ap.add_argument("--hf-config", default="", metavar="PATH_OR_JSON",
+                    help="any Hugging Face config (config.json, its folder, or the JSON text) instead of --model")
+    ap.add_argument("--tiny", action="store_true",
+                    help="GPT: 8 layers, h 64, 4 heads, s 64, V 512, batch 16; HF: 4 layers, h 64, 8 heads, 4 kv "
+                         "heads, ffn 128, V 512, s 64, batch 16 (CPU smoke)")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--heads", type=int)
@@ -142,6 +209,9 @@ def parse_args(argv=None):
                     help="run the layouts this many times, every other round in reverse order; a row's step "
                          "time is the median over all its rounds' timed steps")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="fused",
+                    help="every row's optimizer: fused (fxmegatron's FusedAdamW, the clip folded in) or master "
+                         "(MasterWeightAdamW after clipping)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="model parameters (default bfloat16; float32 with --check)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -155,10 +225,6 @@ def parse_args(argv=None):
     ap.add_argument("--hang-dump", type=float, default=0, metavar="SECONDS",
                     help="print every thread's Python stack (each rank) when a layout runs longer than this")
     args = ap.parse_args(argv)
-    base = MODELS["tiny" if args.tiny else args.model]
-    for key, val in zip(("layers", "hidden", "heads", "seq", "vocab", "global_batch"), base):
-        if getattr(args, key) is None:
-            setattr(args, key, val)
     if args.dtype is None:
         args.dtype = "float32" if args.check else "bfloat16"
     return args
@@ -172,16 +238,25 @@ def main(argv=None):
     else:
         launcher = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])}"
     world, lead = env.world, env.lead
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.hidden, dropout=0.0, tie_embeddings=False, bias=True)
 
-    problems = []
+    problems, spec = [], None
+    hf = bool(args.hf_config) or args.model in HF_MODELS
+    if hf and (args.hidden is not None or args.heads is not None):
+        problems.append("--hidden and --heads shape the bundled GPT; for an HF model write a config (--hf-config)")
+    else:
+        try:
+            spec = build_spec(args)
+        except (ValueError, TypeError, KeyError, OSError) as exc:
+            problems.append(f"model: {type(exc).__name__}: {exc}")
+    if spec is not None:    # the settings the run ended up with, for the header and --json
+        args.layers, args.hidden, args.heads = spec.layers, spec.hidden, spec.heads
+        args.seq, args.vocab, args.global_batch = spec.seq, spec.vocab, spec.batch
     if args.check and args.dtype != "float32":
         problems.append(f"--check compares losses to {CHECK_RTOL} relative: use --dtype float32")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         problems.append("--steps and --rounds must be >= 1 and --warmup >= 0")
-    if args.hidden % args.heads:
-        problems.append(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if spec is not None and spec.kind == "gpt" and spec.hidden % spec.heads:
+        problems.append(f"--hidden {spec.hidden} is not divisible by --heads {spec.heads}")
     layouts = []
     for name in [n.strip() for n in args.layouts.split(",") if n.strip()]:
         try:
@@ -189,7 +264,7 @@ def main(argv=None):
         except ValueError as exc:
             problems.append(str(exc))
             continue
-        why = check_layout(lay, world, cfg, args.global_batch)
+        why = check_layout(lay, world, spec, args.optimizer) if spec is not None else None
         if why:
             problems.append(why)
         layouts.append(lay)
@@ -203,7 +278,7 @@ def main(argv=None):
         return 0
 
     env = init_from_env(args.device, env=env)
-    rc = bench(args, cfg, layouts, env, launcher)
+    rc = bench(args, spec, layouts, env, launcher)
     if rc:
         # A failed layout can leave sends/receives pending (a broken pipeline step); tearing the
         # process group down then may abort the process. Leave with the exit code instead.
@@ -214,7 +289,7 @@ def main(argv=None):
     return rc
 
 
-def bench(args, cfg, layouts, env, launcher):
+def bench(args, spec, layouts, env, launcher):
     dev, lead, world = env.device, env.lead, env.world
     dtype = getattr(torch, args.dtype)
 
@@ -228,14 +303,14 @@ def bench(args, cfg, layouts, env, launcher):
         dist.broadcast(t, src=0)
         peak_tflops = t.item()
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu")
-    ids, labels = make_batch(cfg, args.global_batch, dev)
+    batch = spec.make_batch(dev)
     command = f"{launcher} {' '.join(sys.argv)}"
     if lead:
-        print_header(command, dev_name, world, dist.get_backend(), cfg, count_params(cfg), args, peak_tflops)
+        print_header(command, dev_name, world, dist.get_backend(), spec, args, peak_tflops)
 
     ref_losses, ref_norm, ref_state = None, None, None
     if args.check:
-        ref_losses, ref_norm, ref_state = reference_losses(cfg, args, dev, dtype, ids, labels,
+        ref_losses, ref_norm, ref_state = reference_losses(spec, args, dev, dtype, batch,
                                                            steps=min(2, args.warmup + args.steps))
         if lead:
             print(f"check: plain model's first losses {[round(x, 6) for x in ref_losses]}, first gradient norm "
@@ -246,12 +321,12 @@ def bench(args, cfg, layouts, env, launcher):
         # every other round backwards: each layout runs early and late alike, so a drift of the
         # GPU's clock (it runs at its power limit) does not favour the layout that runs first
         for lay in (layouts if r % 2 == 0 else layouts[::-1]):
-            row = run_guarded(lay, cfg, args, dev, dtype, ids, labels, meshes,
+            row = run_guarded(lay, spec, args, dev, dtype, batch, meshes,
                               ref_state if lay.kind == "fx" else None, peak_tflops, profile=r == args.rounds - 1)
             runs[lay.name].append(row)
             if lead:
                 print_round(row, lay.name, r, args.rounds)
-    rows = [merge_rounds(runs[lay.name], args, cfg, world, peak_tflops) for lay in layouts]
+    rows = [merge_rounds(runs[lay.name], spec, world, peak_tflops) for lay in layouts]
 
     failed_check = False
     if lead:
@@ -261,7 +336,7 @@ def bench(args, cfg, layouts, env, launcher):
     if args.check:
         failed_check = check_rows(rows, ref_losses, ref_norm, lead)
     if lead and args.json:
-        write_json(args.json, command, dev_name, world, args, peak_tflops, ref_losses, ref_norm, rows)
+        write_json(args.json, command, dev_name, world, args, spec, peak_tflops, ref_losses, ref_norm, rows)
     if lead:
         sys.stdout.flush()
     dist.barrier()      # no rank leaves (torchrun would end the others) before rank 0 has printed

@@ -1,59 +1,121 @@
-"""benchmarks/end_to_end.py on CPU (gloo, 2 processes): its --check trains the plain model
+"""benchmarks/end_to_end.py on CPU (gloo, 1 or 2 processes): its --check trains the plain model
 and compares every layout's first two losses and first gradient norm with it (1e-4
 relative), exiting non-zero otherwise: PyTorch-native DTensor TP and fxmegatron tp2+sp
-must both be exact, so the GPU table compares equal programs; compile=True at tp2 (with
-fxmegatron's FusedAdamW, the clip folded in), dp2 and pp2 as well."""
+must both be exact, so the GPU table compares equal programs; compile=True at tp2, dp2 and
+pp2 as well; the same for an unmodified Hugging Face Llama (its own loss, labels = ids),
+eager, torch.compile, fxmegatron, and native TP with torchtitan's plan on HF's names. Every
+row trains with the run's optimizer (--optimizer, FusedAdamW by default), and the model and
+optimizer phases are timed apart. The FLOPs formula reproduces the old GPT closed form."""
+import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "end_to_end.py")
+SMOKE = ["--device", "cpu", "--dtype", "float32", "--check", "--no-profile"]
+
+
+def _env(**extra):
+    # without the Triton interpreter (conftest turns it on for the fuse tests on CPU): under it,
+    # FusedAdamW's and the cross-entropy kernels run element by element, seconds a step; their torch
+    # paths on CPU compute the same (fxmegatron.codegen.where_kernels_run)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def one_process(args, timeout=300):
+    env = _env(PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "examples")]))
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def two_processes(args, timeout=600):
+    env = _env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def passed(out, rows):
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "check: passed" in out.stdout
+    assert out.stdout.count(" ok") >= rows, out.stdout[-2000:]
 
 
 def test_benchmark_layouts_match_the_plain_model():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "end_to_end.py"), "--tiny", "--device", "cpu", "--dtype", "float32",
-           "--check", "--no-profile", "--steps", "1", "--warmup", "1", "--layers", "2",
-           "--layouts", "native-tp2,fx-tp2,fx-tp2-compile-fadam,fx-dp2-compile,fx-pp2-v1-1f1b-compile"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "check: passed" in out.stdout
-    assert out.stdout.count(" ok") >= 5, out.stdout[-2000:]
+    # -fadam: still accepted, a no-op (every row uses --optimizer's FusedAdamW)
+    out = two_processes(["--tiny", *SMOKE, "--steps", "1", "--warmup", "1", "--layers", "2", "--layouts",
+                         "native-tp2,fx-tp2,fx-tp2-compile-fadam,fx-dp2-compile,fx-pp2-v1-1f1b-compile"])
+    passed(out, 5)
 
 
 def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path):
     """--rounds 2: round 1 runs the layouts in the given order, round 2 backwards; a row's
-    step time is the median of all its rounds' timed steps, and each round's median is kept."""
-    import json
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "examples")]))
+    step time is the median of all its rounds' timed steps, and each round's median is kept.
+    Every row, the eager baseline too, trains with FusedAdamW (--optimizer's default), and
+    its model and optimizer phases, timed apart, fit in the step."""
     path = tmp_path / "rows.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "end_to_end.py"), "--tiny", "--device", "cpu",
-           "--dtype", "float32", "--check", "--no-profile", "--steps", "2", "--warmup", "1", "--layers", "2",
-           "--layouts", "eager,fx", "--rounds", "2", "--json", str(path)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = one_process(["--tiny", *SMOKE, "--steps", "2", "--warmup", "1", "--layers", "2",
+                       "--layouts", "eager,fx", "--rounds", "2", "--json", str(path)])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     order = [line.split("]")[1].split(":")[0].strip() for line in out.stdout.splitlines() if line.startswith("[round")]
     assert order == ["eager", "fx", "fx", "eager"], order
-    rows = {r["layout"]: r for r in json.load(open(path))["rows"]}
+    data = json.load(open(path))
+    assert data["optimizer"] == "FusedAdamW" and data["args"]["optimizer"] == "fused"
+    rows = {r["layout"]: r for r in data["rows"]}
     for r in rows.values():
         steps = r["step_ms_all"]
         assert len(steps) == 4 and len(r["step_ms_rounds"]) == 2
         assert r["step_ms"] == sorted(steps)[2]
         assert abs(r["tokens_per_s"] - 16 * 64 / (r["step_ms"] / 1e3)) < 1e-6 * r["tokens_per_s"]
         assert r["check"]["ok"]
+        assert r["optimizer"] == "FusedAdamW"
+        assert len(r["model_ms_all"]) == len(r["optim_ms_all"]) == 4
+        assert r["model_ms"] == sorted(r["model_ms_all"])[2] and r["optim_ms"] == sorted(r["optim_ms_all"])[2]
+        assert r["model_ms"] > 0 and r["optim_ms"] > 0
+        assert r["model_ms"] + r["optim_ms"] <= 1.1 * r["step_ms"] + 1.0, r
+
+
+def test_master_optimizer_for_every_row_and_fadam_refused(tmp_path):
+    """--optimizer master: every row MasterWeightAdamW (after torch-style clipping), still equal to
+    the plain model; an -fadam layout then contradicts the run and is refused."""
+    path = tmp_path / "rows.json"
+    out = one_process(["--tiny", *SMOKE, "--steps", "1", "--warmup", "1", "--layers", "2", "--optimizer", "master",
+                       "--layouts", "eager,fx", "--json", str(path)])
+    passed(out, 2)
+    assert {r["optimizer"] for r in json.load(open(path))["rows"]} == {"MasterWeightAdamW"}
+    out = one_process(["--tiny", *SMOKE, "--optimizer", "master", "--layouts", "eager,fx-fadam"])
+    assert out.returncode == 2 and "drop -fadam" in out.stderr, out.stderr
+
+
+def test_hf_llama_eager_compile_fx_match_the_plain_model(tmp_path):
+    """An unmodified HF Llama (tied, GQA, SwiGLU) trained with its own loss: eager, torch.compile
+    of the whole model and fxmegatron give the plain model's losses and gradient norm."""
+    path = tmp_path / "rows.json"
+    out = one_process(["--model", "hf-llama1b", "--tiny", *SMOKE, "--steps", "1", "--warmup", "1", "--layers", "2",
+                       "--layouts", "eager,compile,fx", "--json", str(path)])
+    passed(out, 3)
+    data = json.load(open(path))
+    assert data["model"]["config"]["model_type"] == "llama" and data["model"]["tied"]
+    assert {r["optimizer"] for r in data["rows"]} == {"FusedAdamW"}
+
+
+def test_hf_llama_native_tp2_and_fx_tp2_match_the_plain_model():
+    """torchtitan's Llama plan on HF's module names (sequence parallel, loss parallel over the
+    model's own loss, the tied LM head tied again) and fxmegatron tp2+sp: both exact."""
+    out = two_processes(["--model", "hf-llama1b", "--tiny", *SMOKE, "--steps", "1", "--warmup", "1",
+                         "--layers", "2", "--layouts", "native-tp2,fx-tp2"])
+    passed(out, 2)
 
 
 def test_layout_names_give_the_compile_mode():
     """``-autotune``/``-cgraphs`` pick torch.compile's mode for the plain compile baseline and for
     fxmegatron alike (the side-by-side row needs both in the same mode); an eager layout takes
     neither."""
-    import pytest
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        from end_to_end import parse_layout
-    finally:
-        sys.path.pop(0)
+    from end_to_end import parse_layout
     assert parse_layout("compile", 8).compile is False
     assert parse_layout("compile-autotune", 8).compile == "max-autotune-no-cudagraphs"
     assert parse_layout("compile-cgraphs", 8).compile == "reduce-overhead"
@@ -61,3 +123,54 @@ def test_layout_names_give_the_compile_mode():
     assert parse_layout("fx-compile", 8).compile is True
     with pytest.raises(ValueError, match="unknown part 'autotune' for a eager layout"):
         parse_layout("eager-autotune", 8)
+
+
+def _spec(model, **over):
+    import types
+
+    from e2e.models import build_spec
+    args = dict(model=model, hf_config="", tiny=False, layers=None, hidden=None, heads=None, seq=None, vocab=None,
+                global_batch=None)
+    args.update(over)
+    return build_spec(types.SimpleNamespace(**args))
+
+
+def test_model_flops_count_gqa_swiglu_and_the_tied_head():
+    """F = 6·B·s·P + 12·B·l·s²·(heads·head_dim), P the matmuls' weights (the LM head counted even
+    when tied): for GPT it is the old closed form; for the HF presets P is q (h·h), k and v
+    (h·kv·d each), o (h·h), three SwiGLU matrices (h·ffn) a layer, and V·h."""
+    from e2e.measure import gpt_flops
+    for name in ("gpt1.3b", "gpt6.7b", "gpt13b"):
+        s = _spec(name)
+        old = gpt_flops(s.batch, s.seq, s.layers, s.hidden, s.vocab)
+        assert abs(s.flops() - old) <= 1e-12 * old, name
+    for name, tied in (("hf-llama1b", True), ("hf-qwen1.5b", True), ("hf-llama8b", False)):
+        s = _spec(name)
+        t = s.text
+        h, d, l, ffn, V = t.hidden_size, s.head_dim, s.layers, t.intermediate_size, t.vocab_size
+        P = l * (2 * h * h + 2 * h * t.num_key_value_heads * d + 3 * h * ffn) + V * h
+        assert s.tied is tied and s.matmul_params() == P, name
+        assert s.flops() == 6 * s.batch * s.seq * P + 12 * s.batch * l * s.seq ** 2 * t.num_attention_heads * d
+    s = _spec("hf-llama1b")
+    assert (s.layers, s.hidden, s.heads, s.kv_heads, s.vocab, s.seq, s.batch) == (16, 2048, 32, 8, 128256, 2048, 4)
+    # Llama-3.2-1B has 1.236 G parameters (tied), Qwen2.5-1.5B 1.544 G
+    assert abs(s.count_params() - 1.2358e9) < 1e6
+    assert abs(_spec("hf-qwen1.5b").count_params() - 1.5437e9) < 1e6
+    assert _spec("hf-llama8b", layers=32).count_params() == 8030261248
+
+
+def test_hf_batch_feeds_the_models_own_shifted_loss():
+    """The HF batch is ``labels = input_ids`` and the model shifts them: the loss is the mean
+    cross-entropy of position t's logits against token t + 1 (a double shift, or none, would pass
+    --check unnoticed, since every layout and the reference share the batch)."""
+    import torch
+    import torch.nn.functional as F
+    s = _spec("hf-llama1b", tiny=True, layers=2)
+    batch = s.make_batch("cpu")
+    ids = batch["input_ids"]
+    assert ids.shape == (s.batch, s.seq) and torch.equal(batch["labels"], ids)
+    model = s.plain("cpu", torch.float32)
+    loss = s.loss(model, batch)
+    logits = model(input_ids=ids).logits
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, s.vocab), ids[:, 1:].reshape(-1))
+    assert torch.allclose(loss, want, rtol=1e-6), (loss, want)

@@ -1,8 +1,9 @@
 """The parts of benchmarks/end_to_end.py, one idea each (the script's docstring says what
-it measures): ``layouts`` reads the layout names, ``master_weights`` is the shared
-mixed-precision optimizer, ``builders`` builds each framework's model, ``measure`` times a
-layout, ``profile`` splits a profiled step into compute, communication, bubble and idle,
-``report`` prints the table and the --check."""
+it measures): ``models`` is the model (GPT or Hugging Face), its batch, loss and FLOPs,
+``layouts`` reads the layout names, ``optimizers`` the run's optimizer (``master_weights``
+the torch one), ``builders`` (and ``hf_builders``) build each framework's model,
+``measure`` times a layout, ``profiling`` splits a profiled step into compute,
+communication, bubble and idle, ``report`` prints the table and the --check."""
 import os
 import sys
 

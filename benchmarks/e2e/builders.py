@@ -1,49 +1,45 @@
 """Each framework's model for a layout, as a ``Job`` the training loop runs: the plain model
-(eager, torch.compile), PyTorch-native DTensor tensor parallelism, fxmegatron. Also the
-synthetic batch and the plain model's reference losses for --check."""
+(eager, torch.compile), PyTorch-native DTensor tensor parallelism (the bundled GPT here, HF
+models in ``e2e.hf_builders``), fxmegatron. Also the plain model's reference losses for --check."""
 from __future__ import annotations
 
 import contextlib
 import gc
 import types
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from gpt import GPT, GPTConfig
 
 import fxmegatron
-from e2e.master_weights import MasterWeightAdamW, local_tensor
+from e2e.master_weights import full_tensor, local_tensor
+from e2e.optimizers import make_optimizer
 
 
 @dataclass
 class Job:
-    """What the training loop needs from a layout."""
+    """What the training loop needs from a layout: ``fwd_bwd`` runs forward and backward of the
+    global batch and returns the loss; ``norm`` returns the gradient norm of the whole model
+    (unclipped, a plain tensor on the device); ``clip(norm)`` scales the gradients by the clip
+    coefficient ``min(1, 1.0 / (norm + 1e-6))`` (--optimizer master; FusedAdamW folds it in)."""
     params: list
-    fwd_bwd: Callable[[], torch.Tensor]    # forward + backward of the global batch; returns the loss
-    clip: Callable[[], object]
+    fwd_bwd: Callable[[], torch.Tensor]
+    norm: Callable[[], torch.Tensor]
+    clip: Callable[[torch.Tensor], None]
     keep: list                             # objects to free after the layout
-    norm: Optional[Callable[[], torch.Tensor]] = None   # the gradient norm without clipping (-fadam)
 
 
-def plain_model(cfg: GPTConfig, dev, dtype) -> GPT:
-    """The bundled GPT on ``dev`` in ``dtype``, seeded: every layout that builds it gets the same weights."""
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = GPT(cfg)
-    return model.to(dtype)
-
-
-def accumulate(fn, ids, labels, m, context=None):
-    """forward + backward over m microbatches of (ids, labels); returns the mean loss."""
-    id_chunks, label_chunks = ids.chunk(m), labels.chunk(m)
+def accumulate(fn, spec, batch, m, context=None):
+    """forward + backward of ``batch`` (the model's own loss, ``spec.loss``) over m microbatches;
+    returns the mean loss."""
+    chunks = spec.chunk(batch, m)
 
     def fwd_bwd():
         total = None
         with (context() if context else contextlib.nullcontext()):
-            for x, y in zip(id_chunks, label_chunks):
-                loss = fn(x, y)
+            for mb in chunks:
+                loss = spec.loss(fn, mb)
                 (loss / m).backward()
                 val = local_tensor(loss.detach()) / m
                 total = val if total is None else total + val
@@ -51,13 +47,19 @@ def accumulate(fn, ids, labels, m, context=None):
     return fwd_bwd
 
 
-def build_eager(lay, cfg, dev, dtype, ids, labels, **_):
-    model = plain_model(cfg, dev, dtype)
+def torch_job(params, fwd_bwd, keep) -> Job:
+    """A Job whose gradient norm and clipping are torch's (``clip_grad_norm_`` in two halves:
+    ``get_total_norm``, then ``clip_grads_with_norm_``), DTensor gradients included."""
+    def norm():
+        return full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0))
+    return Job(params, fwd_bwd, norm, lambda n: torch.nn.utils.clip_grads_with_norm_(params, 1.0, n), keep)
+
+
+def build_eager(lay, spec, dev, dtype, batch, **_):
+    model = spec.plain(dev, dtype)
     mode = lay.compile if isinstance(lay.compile, str) else None
     fn = torch.compile(model, mode=mode) if lay.kind == "compile" else model
-    params = list(model.parameters())
-    return Job(params, accumulate(fn, ids, labels, lay.m),
-               lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), [model, fn])
+    return torch_job(list(model.parameters()), accumulate(fn, spec, batch, lay.m), [model, fn])
 
 
 def _local_heads_forward(self, x):
@@ -74,12 +76,16 @@ def _local_heads_forward(self, x):
     return self.resid_drop(self.proj(y))
 
 
-def build_native(lay, cfg, dev, dtype, ids, labels, meshes, **_):
+def build_native(lay, spec, dev, dtype, batch, meshes, **_):
+    if spec.kind == "hf":
+        from e2e.hf_builders import build_hf_native
+        return build_hf_native(lay, spec, dev, dtype, batch, meshes)
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, loss_parallel, parallelize_module)
     mesh = meshes(tp=lay.tp)
-    model = plain_model(cfg, dev, dtype)
+    cfg = spec.config
+    model = spec.plain(dev, dtype)
     block_plan = {
         "ln1": SequenceParallel(),
         "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -111,53 +117,44 @@ def build_native(lay, cfg, dev, dtype, ids, labels, meshes, **_):
         output_fn=lambda mod, out, m: out.redistribute(m, [Shard(0)]).to_local())
     for i in range(len(model.blocks)):
         model.blocks[i] = torch.compile(model.blocks[i])
-    params = list(model.parameters())
-    return Job(params, accumulate(model, ids, labels, lay.m, context=loss_parallel),
-               lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), [model])
+    return torch_job(list(model.parameters()), accumulate(model, spec, batch, lay.m, context=loss_parallel),
+                     [model])
 
 
-def build_fx(lay, cfg, dev, dtype, ids, labels, meshes, ref_state=None, **_):
+def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
+    from fxmegatron.optim import clip_coefficient
+    from fxmegatron.runtime.grad_norm import scale_grads_
     mesh = meshes(dp=lay.dp, pp=lay.pp, tp=lay.tp)
-    with torch.device("meta"):
-        model = GPT(cfg).to(dtype)
-    pm = fxmegatron.parallelize(model, mesh, (ids, labels), sequence_parallel=lay.sp, recompute=lay.recompute,
+    model = spec.meta(dtype)
+    pm = fxmegatron.parallelize(model, mesh, batch, sequence_parallel=lay.sp, recompute=lay.recompute,
                                 microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
                                 compile=lay.compile, tp_comm_overlap=lay.overlap,
                                 tp_comm_transport=lay.transport, state_dict=ref_state,
                                 grad_accum_dtype=torch.float32 if lay.fp32_accum else None)
-    return Job(list(pm.parameters()), lambda: pm.train_step(ids, labels), lambda: pm.clip_grad_norm_(1.0), [pm],
-               norm=pm.grad_norm)
+    params = list(pm.parameters())
+    # pm.clip_grad_norm_(1.0) in two halves: the norm, then the scaling
+    return Job(params, lambda: pm.train_step(batch), pm.grad_norm,
+               lambda n: scale_grads_(params, clip_coefficient(n, 1.0)), [pm])
 
 
 BUILDERS = {"eager": build_eager, "compile": build_eager, "native": build_native, "fx": build_fx}
 
 
-def reference_losses(cfg, args, dev, dtype, ids, labels, steps=2):
-    """The plain model's first losses and first gradient norm (the --check reference) and its
-    initial weights (on CPU)."""
-    model = plain_model(cfg, dev, dtype)
+def reference_losses(spec, args, dev, dtype, batch, steps=2):
+    """The plain model's first losses and first gradient norm (the --check reference), trained
+    with the run's optimizer, and its initial weights (on CPU)."""
+    model = spec.plain(dev, dtype)
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    opt = MasterWeightAdamW(model.parameters(), lr=args.lr, fused=dev.type == "cuda")
+    params = list(model.parameters())
+    job = torch_job(params, accumulate(model, spec, batch, 1), [model])
+    opt, optim_step = make_optimizer(args.optimizer, job, args.lr, dev)
     losses, norms = [], []
     for _ in range(steps):
-        loss = model(ids, labels)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        opt.step()
+        loss = job.fwd_bwd()
+        norm = job.norm()
+        norms.append(norm.item())
+        optim_step(norm)
         losses.append(loss.item())
-    del model, opt
+    del model, opt, optim_step, job
     gc.collect()
     return losses, norms[0], state
-
-
-def make_batch(cfg, batch, dev, seed=0):
-    """The synthetic batch: random tokens, labels = the next token."""
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
-    return seq[:, :-1].contiguous().to(dev), seq[:, 1:].contiguous().to(dev)
-
-
-def count_params(cfg: GPTConfig) -> int:
-    """The model's parameter count (built on the meta device)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(cfg).parameters())

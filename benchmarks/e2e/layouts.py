@@ -1,22 +1,11 @@
 """Layout names (``eager``, ``compile``, ``native-tpN``, ``fx-...``; see benchmarks/end_to_end.py's
-docstring) parsed into ``Layout`` records and checked against the world size and the model."""
+docstring) parsed into ``Layout`` records and checked against the world size and the model
+(``e2e.models.ModelSpec``)."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from typing import Optional
-
-from gpt import GPTConfig
-
-MODELS = {  # layers, hidden, heads, seq, vocab, global batch
-    "gpt1.3b": (24, 2048, 16, 2048, 50304, 8),
-    "gpt6.7b": (32, 4096, 32, 2048, 50304, 16),
-    "gpt13b": (40, 5120, 40, 2048, 50304, 32),
-    # tiny: 8 layers so that fx-pp4-v2 has a block per chunk; batch 16 so that pipeline microbatches hold
-    # 2 sequences: with 1, fxmegatron's gloo reduce-scatter returns a view of its input and fails
-    "tiny": (8, 64, 4, 64, 512, 16),
-}
-
 
 @dataclass
 class Layout:
@@ -32,7 +21,7 @@ class Layout:
     fuse: bool = False
     compile: object = False     # False, True or a torch.compile mode
     recompute: str = "none"
-    fadam: bool = False
+    fadam: bool = False         # -fadam: accepted, a no-op (the optimizer is --optimizer's, every row)
     fp32_accum: bool = False    # parallelize(grad_accum_dtype=torch.float32)
     overlap: int = 0
     transport: str = "auto"
@@ -89,18 +78,26 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
     return lay
 
 
-def check_layout(lay: Layout, world: int, cfg: GPTConfig, batch: int) -> Optional[str]:
-    """Why ``lay`` cannot run here, or None."""
+def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused") -> Optional[str]:
+    """Why ``lay`` cannot run here with the model ``spec`` (``e2e.models.ModelSpec``), or None."""
+    if lay.fadam and optimizer != "fused":
+        return (f"{lay.name}: -fadam asks for FusedAdamW, but --optimizer is {optimizer!r}; the optimizer is "
+                f"run-wide now (every row uses --optimizer's): drop -fadam")
     if lay.kind in ("eager", "compile") and world != 1:
         return (f"{lay.name} runs the whole model in one process; world size is {world}: run it in a separate "
                 f"one-process job (python benchmarks/end_to_end.py --layouts {lay.name})")
     if lay.world != world:
         return (f"{lay.name} needs dp·pp·tp = {lay.dp}·{lay.pp}·{lay.tp} = {lay.world} processes, but the world "
                 f"size is {world} (torchrun --nproc-per-node)")
-    if batch % (lay.dp * lay.m):
-        return f"{lay.name}: global batch {batch} is not divisible by dp·microbatches = {lay.dp}·{lay.m}"
-    if lay.kind == "native" and (cfg.n_head % lay.tp or cfg.vocab_size % lay.tp or cfg.block_size % lay.tp):
-        return f"{lay.name}: tp {lay.tp} must divide the heads ({cfg.n_head}), vocabulary and sequence length"
-    if lay.kind == "fx" and lay.pp * lay.v > cfg.n_layer:
-        return f"{lay.name}: pp·v = {lay.pp * lay.v} chunks but only {cfg.n_layer} layers"
+    if spec.batch % (lay.dp * lay.m):
+        return f"{lay.name}: global batch {spec.batch} is not divisible by dp·microbatches = {lay.dp}·{lay.m}"
+    if lay.kind == "native":
+        if any(n % lay.tp for n in (spec.heads, spec.kv_heads, spec.vocab, spec.seq)):
+            return (f"{lay.name}: tp {lay.tp} must divide the heads ({spec.heads}), kv heads ({spec.kv_heads}), "
+                    f"vocabulary ({spec.vocab}) and sequence length ({spec.seq})")
+        why = spec.native_unfit()
+        if why:
+            return f"{lay.name}: {why}"
+    if lay.kind == "fx" and lay.pp * lay.v > spec.layers:
+        return f"{lay.name}: pp·v = {lay.pp * lay.v} chunks but only {spec.layers} layers"
     return None

@@ -1,4 +1,4 @@
-"""Megatron's mixed precision for the layouts that do not bring their own optimizer: bf16
+"""Megatron's mixed precision with torch's optimizer (``--optimizer master``, every layout): bf16
 parameters in the model, fp32 master weights and gradient buffers here, torch's AdamW on
 the masters."""
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Running one layout: build it, warm up, time the steps (a step's time is the slowest
-rank's), measure peak memory, profile one more step; every rank learns whether any failed.
-Also the rates that follow from a step time and the bf16 matmul that MFU is taken against."""
+rank's) and each step's model and optimizer phases apart, measure peak memory, profile one
+more step; every rank learns whether any failed. Also the rates that follow from a step time
+and the bf16 matmul that MFU is taken against."""
 from __future__ import annotations
 
 import faulthandler
@@ -14,65 +15,107 @@ import torch
 import torch.distributed as dist
 
 from e2e.builders import BUILDERS
-from e2e.master_weights import MasterWeightAdamW, full_tensor
+from e2e.master_weights import full_tensor
+from e2e.optimizers import OPTIMIZERS, make_optimizer
 from e2e.profiling import profiled_step, sync
 
 
-def model_flops(b, s, l, h, v):
-    """Model FLOPs of a step (Korthikanti et al. 2022; recomputation not counted)."""
+def gpt_flops(b, s, l, h, v):
+    """The bundled GPT's model FLOPs of a step in Korthikanti et al.'s closed form (the formula
+    this benchmark used before ``ModelSpec.flops``, which equals it for GPT)."""
     return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
 
 
-def rates(step_s, args, cfg, world, peak_tflops):
+def rates(step_s, spec, world, peak_tflops):
     """A row's step time and what follows from it: tokens/s, model TFLOP/s per GPU, MFU."""
-    tflops = model_flops(args.global_batch, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.vocab_size) \
-        / step_s / world / 1e12
-    return {"step_ms": step_s * 1e3, "tokens_per_s": args.global_batch * cfg.block_size / step_s,
+    tflops = spec.flops() / step_s / world / 1e12
+    return {"step_ms": step_s * 1e3, "tokens_per_s": spec.batch * spec.seq / step_s,
             "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops if peak_tflops else None}
 
 
-def merge_rounds(rows, args, cfg, world, peak_tflops):
-    """One row from a layout's rounds: the median over all their timed steps, the last round's
-    profile, losses and memory; each round's own median in ``step_ms_rounds``."""
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def merge_rounds(rows, spec, world, peak_tflops):
+    """One row from a layout's rounds: the median over all their timed steps (step, model and
+    optimizer phase alike), the last round's profile, losses and memory; each round's own median
+    in ``step_ms_rounds``."""
     if len(rows) == 1 or any("error" in r for r in rows):
         return next((r for r in rows if "error" in r), rows[-1])
     row = dict(rows[-1])
     steps = sorted(t for r in rows for t in r["step_ms_all"])
     row["step_ms_all"] = steps
     row["step_ms_rounds"] = [r["step_ms"] for r in rows]
-    row.update(rates(steps[len(steps) // 2] / 1e3, args, cfg, world, peak_tflops))
+    row.update(rates(median(steps) / 1e3, spec, world, peak_tflops))
+    for phase in ("model", "optim"):
+        row[f"{phase}_ms_all"] = sorted(t for r in rows for t in r[f"{phase}_ms_all"])
+        row[f"{phase}_ms"] = median(row[f"{phase}_ms_all"])
     row["peak_gib"] = max((r["peak_gib"] for r in rows if r["peak_gib"] is not None), default=None)
     return row
 
 
-def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile=True):
+class PhaseClock:
+    """Per step, the time of the model phase (forward, backward, gradient norm) and of the
+    optimizer phase (clip and AdamW). On CUDA a torch.cuda.Event before, between and after the
+    phases (on the current stream: no synchronisation inside the step); on CPU perf_counter."""
+
+    def __init__(self, dev):
+        self.cuda = dev.type == "cuda"
+        self.pending, self.model, self.optim = [], [], []
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def add(self, t0, t1, t2):
+        self.pending.append((t0, t1, t2))
+
+    def collect(self):
+        """The phases' seconds of the steps added so far (after a synchronize)."""
+        for t0, t1, t2 in self.pending:
+            if self.cuda:
+                self.model.append(t0.elapsed_time(t1) / 1e3)
+                self.optim.append(t1.elapsed_time(t2) / 1e3)
+            else:
+                self.model.append(t1 - t0)
+                self.optim.append(t2 - t1)
+        self.pending = []
+
+
+def slowest_rank(times, dev):
+    """Each step's time, the max over ranks."""
+    t = torch.tensor(times, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True):
     """Build ``lay``, run --warmup and --steps timed steps (and a profiled one); returns its row."""
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
-    job = BUILDERS[lay.kind](lay, cfg, dev, dtype, ids, labels, meshes=meshes, ref_state=ref_state)
+    job = BUILDERS[lay.kind](lay, spec, dev, dtype, batch, meshes=meshes, ref_state=ref_state)
     build_s = time.perf_counter() - t0
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    norms = []
-    if lay.fadam:
-        from fxmegatron.optim import FusedAdamW, clip_coefficient
-        opt = FusedAdamW(job.params, lr=args.lr)      # torch.optim.AdamW's defaults otherwise
+    opt, optim_step = make_optimizer(args.optimizer, job, args.lr, dev)
+    norms, clock = [], PhaseClock(dev)
 
-        def step():
-            loss = job.fwd_bwd()
-            norms.append(job.norm())
-            opt.step(clip_coefficient(norms[-1], 1.0))    # the clip inside the optimizer's pass
-            return loss.detach()
-    else:
-        opt = MasterWeightAdamW(job.params, lr=args.lr, fused=dev.type == "cuda")
-
-        def step():
-            loss = job.fwd_bwd()
-            norms.append(job.clip())   # the gradient norm before clipping
-            opt.step()
-            return loss.detach()
+    def step(timed=False):
+        t0 = clock.mark() if timed else None
+        loss = job.fwd_bwd()
+        norms.append(job.norm())       # the gradient norm before clipping
+        t1 = clock.mark() if timed else None
+        optim_step(norms[-1])
+        if timed:
+            clock.add(t0, t1, clock.mark())
+        return loss.detach()
 
     losses = []
     t0 = time.perf_counter()
@@ -85,13 +128,13 @@ def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_
         sync(dev)
         dist.barrier()
         t0 = time.perf_counter()
-        losses.append(step())
+        losses.append(step(timed=True))
         sync(dev)
         times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(times, dtype=torch.float64, device=dev)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    times = sorted(slowest.tolist())
-    step_s = times[len(times) // 2]
+    clock.collect()
+    times = sorted(slowest_rank(times, dev))
+    model_ms = sorted(t * 1e3 for t in slowest_rank(clock.model, dev))
+    optim_ms = sorted(t * 1e3 for t in slowest_rank(clock.optim, dev))
 
     prof = None
     if profile and not args.no_profile:
@@ -102,25 +145,27 @@ def run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     vals = [float(x) for x in losses]
     first_norm = full_tensor(norms[0]).item() if norms else None
-    row = {"layout": lay.name, **rates(step_s, args, cfg, world, peak_tflops),
+    row = {"layout": lay.name, **rates(median(times), spec, world, peak_tflops),
+           "model_ms": median(model_ms), "optim_ms": median(optim_ms), "optimizer": OPTIMIZERS[args.optimizer],
            "peak_gib": peak.item() if dev.type == "cuda" else None,
            "loss_first": vals[0], "loss_last": vals[-1], "losses": vals, "grad_norm_first": first_norm,
            "build_s": build_s, "warmup_s": warmup_s,
-           "step_ms_all": [t * 1e3 for t in times], "microbatches": lay.m, "layout_spec": asdict(lay)}
+           "step_ms_all": [t * 1e3 for t in times], "model_ms_all": model_ms, "optim_ms_all": optim_ms,
+           "microbatches": lay.m, "layout_spec": asdict(lay)}
     if prof:
         row.update(prof)
-    del job, opt, step, losses, norms
+    del job, opt, optim_step, step, losses, norms
     return row
 
 
-def run_guarded(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile=True):
+def run_guarded(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True):
     """run_layout, with every rank learning whether any rank failed."""
     rank = dist.get_rank()
     row, err, tb = None, None, None
     if args.hang_dump:     # a layout that hangs (in a collective, say) shows where, every rank
         faulthandler.dump_traceback_later(args.hang_dump, exit=False)
     try:
-        row = run_layout(lay, cfg, args, dev, dtype, ids, labels, meshes, ref_state, peak_tflops, profile)
+        row = run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile)
     except Exception as exc:    # noqa: BLE001 -- an OOM or a framework error becomes an "error" row
         err = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
         tb = traceback.format_exc()

@@ -3,22 +3,25 @@
 the --json file."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
 
 import torch
 
+from e2e.optimizers import OPTIMIZERS
+
 CHECK_RTOL = 1e-4
 
 
-def print_header(command, dev_name, world, backend, cfg, n_params, args, peak_tflops):
+def print_header(command, dev_name, world, backend, spec, args, peak_tflops):
     print(f"command: {command}")
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
           f"device {dev_name}, world size {world} ({backend})")
-    print(f"GPT l={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} V={cfg.vocab_size} "
-          f"({n_params / 1e6:,.1f} M parameters, untied), global batch {args.global_batch}, {args.dtype} "
-          f"parameters + fp32 master weights, AdamW lr {args.lr:g}, clip 1.0; {args.warmup} warm-up + "
+    print(f"{spec.describe()}, global batch {spec.batch}, F = {spec.flops():.4g} FLOP a step; "
+          f"{args.dtype} parameters + fp32 master weights, every row's optimizer "
+          f"{OPTIMIZERS[args.optimizer]} (AdamW lr {args.lr:g}, clip 1.0); {args.warmup} warm-up + "
           f"{args.steps} timed steps")
     if peak_tflops:
         print(f"bf16 8192^3 matmul: {peak_tflops:.1f} TFLOP/s per GPU"
@@ -32,7 +35,8 @@ def print_round(row, name, r, rounds):
     if "error" in row:
         print(f"{tag}{name}: error: {row['error']}", flush=True)
     else:
-        print(f"{tag}{name}: {row['step_ms']:.1f} ms/step, loss {row['loss_first']:.4f} -> "
+        print(f"{tag}{name}: {row['step_ms']:.1f} ms/step (model {row['model_ms']:.1f}, optimizer "
+              f"{row['optim_ms']:.1f}), loss {row['loss_first']:.4f} -> "
               f"{row['loss_last']:.4f} (build {row['build_s']:.1f} s, warm-up {row['warmup_s']:.1f} s)",
               flush=True)
 
@@ -42,8 +46,9 @@ def _fmt(x, spec, width):
 
 
 def print_table(rows):
-    head = (f"{'layout':18} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>8} "
-            f"{'loss first->last':>17} {'compute ms':>10} {'exp.comm ms':>11} {'bubble ms':>9} {'idle ms':>8}")
+    head = (f"{'layout':18} {'step ms':>9} {'model ms':>9} {'optim ms':>8} {'tokens/s':>10} {'TFLOP/s/GPU':>11} "
+            f"{'MFU':>6} {'peak GiB':>8} {'loss first->last':>17} {'compute ms':>10} {'exp.comm ms':>11} "
+            f"{'bubble ms':>9} {'idle ms':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -60,13 +65,16 @@ def print_table(rows):
             return f"{v:{width - 5}.1f}({100 * v / ref:2.0f}%)" if ref else f"{v:{width}.1f}"
         mfu = r.get("mfu")
         mfu = f"{'-':>6}" if mfu is None else f"{100 * mfu:5.1f}%"
-        print(f"{r['layout']:18} {step:9.1f} {r['tokens_per_s']:10.0f} {r['tflops_per_gpu']:11.2f} "
+        print(f"{r['layout']:18} {step:9.1f} {r['model_ms']:9.1f} {r['optim_ms']:8.1f} {r['tokens_per_s']:10.0f} "
+              f"{r['tflops_per_gpu']:11.2f} "
               f"{mfu} {_fmt(r['peak_gib'], '.2f', 8)} "
               f"{r['loss_first']:8.4f}->{r['loss_last']:<7.4f} "
               f"{part('compute_ms', 10)} {part('exposed_comm_ms', 11)} {part('bubble_ms', 9)} {part('idle_ms', 8)}")
     if any("compute_ms" in r for r in rows):
         print("(breakdown: one profiled step on rank 0; % of that step's wall time, printed as step_ms_profiled "
               "in --json)")
+    print("(model ms: forward, backward and the gradient norm; optim ms: the clip and AdamW; each the median "
+          "over the timed steps of the slowest rank's)")
 
 
 def print_rounds(rows):
@@ -106,10 +114,16 @@ def check_rows(rows, ref_losses, ref_norm, lead):
     return failed_check
 
 
-def write_json(path, command, dev_name, world, args, peak_tflops, ref_losses, ref_norm, rows):
+def write_json(path, command, dev_name, world, args, spec, peak_tflops, ref_losses, ref_norm, rows):
+    model = {"name": spec.name, "kind": spec.kind, "describe": spec.describe(), "layers": spec.layers,
+             "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads, "seq": spec.seq,
+             "vocab": spec.vocab, "global_batch": spec.batch, "tied": spec.tied, "params": spec.count_params(),
+             "matmul_params": spec.matmul_params(), "flops_per_step": spec.flops(),
+             "config": spec.config.to_dict() if spec.kind == "hf" else dataclasses.asdict(spec.config)}
     with open(path, "w") as f:
         json.dump({"command": command, "torch": torch.__version__, "device": dev_name,
                    "world_size": world, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                   "args": vars(args), "matmul_tflops": peak_tflops, "reference_losses": ref_losses,
+                   "args": vars(args), "model": model, "optimizer": OPTIMIZERS[args.optimizer],
+                   "matmul_tflops": peak_tflops, "reference_losses": ref_losses,
                    "reference_grad_norm": ref_norm,
                    "rows": rows}, f, indent=1)
