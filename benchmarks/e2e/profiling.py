@@ -1,6 +1,8 @@
 """One more step under torch.profiler on rank 0, and its breakdown from the GPU kernels:
 compute (the union of non-NCCL kernels), exposed communication (an NCCL collective and no
-compute), bubble (NCCL send/recv and no compute) and idle (no kernel)."""
+compute), bubble (NCCL send/recv and no compute) and idle (no kernel); and where the kernel
+time goes by kind of work (``WORK``, from kernel names: a kernel's summed duration, so
+kernels that run side by side on two streams count twice)."""
 from __future__ import annotations
 
 import json
@@ -64,6 +66,28 @@ def kernel_class(name: str) -> str:
     return "collective"     # AllReduce, AllGather, ReduceScatter, Broadcast, ...
 
 
+# kind of work -> words in the kernel names (lower case; the first kind that matches wins).
+# Inductor and fxmegatron name a fused kernel after its ops: a norm's has rsqrt forward and
+# pow + sum backward; ce_fwd/ce_bwd are fxmegatron's cross-entropy.
+WORK = (("communication", ("nccl",)),
+        ("optimizer", ("adamw", "multi_tensor", "foreach", "reduce_kernel")),
+        ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn", "dot_do_o")),
+        ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+        ("loss", ("ce_fwd", "ce_bwd", "nll_loss", "log_softmax", "cross_entropy", "softmax")),
+        ("norm", ("rsqrt", "layer_norm", "rms_norm")),
+        ("copy", ("memcpy", "memset", "copy_kernel", "fillfunctor", "catarray")))
+
+
+def work_kind(name: str) -> str:
+    n = name.lower()
+    if "pow" in n and "sum" in n and "triton" in n:
+        return "norm"
+    for kind, words in WORK:
+        if any(w in n for w in words):
+            return kind
+    return "elementwise"
+
+
 def breakdown(trace_events) -> Optional[Dict[str, float]]:
     """Compute / exposed communication / bubble / idle, in ms, of the step marked STEP_MARK
     in a chrome trace's events; None without GPU kernels (a CPU run)."""
@@ -74,12 +98,15 @@ def breakdown(trace_events) -> Optional[Dict[str, float]]:
     w0 = float(marks[0]["ts"])
     w1 = w0 + float(marks[0]["dur"])
     by_class = {"compute": [], "collective": [], "p2p": []}
+    work: Dict[str, float] = {}
     for e in trace_events:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         s, t = max(float(e["ts"]), w0), min(float(e["ts"]) + float(e.get("dur", 0)), w1)
         if t > s:
             by_class[kernel_class(e.get("name", "")) if e["cat"] == "kernel" else "compute"].append((s, t))
+            kind = work_kind(e.get("name", "") if e["cat"] == "kernel" else "memcpy")
+            work[kind] = work.get(kind, 0.0) + (t - s) * 1e-3
     every = by_class["compute"] + by_class["collective"] + by_class["p2p"]
     if not every:
         return None
@@ -88,7 +115,8 @@ def breakdown(trace_events) -> Optional[Dict[str, float]]:
             "compute_ms": length(by_class["compute"]) * ms,
             "exposed_comm_ms": length(minus(by_class["collective"], by_class["compute"])) * ms,
             "bubble_ms": length(minus(by_class["p2p"], by_class["compute"])) * ms,
-            "idle_ms": ((w1 - w0) - length(every)) * ms}
+            "idle_ms": ((w1 - w0) - length(every)) * ms,
+            "work_ms": dict(sorted(work.items(), key=lambda kv: -kv[1]))}
 
 
 def profiled_step(step, lay, args, dev, rank):

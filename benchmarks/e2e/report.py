@@ -73,6 +73,12 @@ def print_table(rows):
     if any("compute_ms" in r for r in rows):
         print("(breakdown: one profiled step on rank 0; % of that step's wall time, printed as step_ms_profiled "
               "in --json)")
+        print("where the kernel time goes (ms of the profiled step, by kernel names: e2e/profiling.WORK; idle: no "
+              "kernel running):")
+        for r in rows:
+            if r.get("work_ms"):
+                print(f"  {r['layout']:18} " + ", ".join(f"{k} {v:.1f}" for k, v in r["work_ms"].items())
+                      + f", idle {r['idle_ms']:.1f}")
     print("(model ms: forward, backward and the gradient norm; optim ms: the clip and AdamW; each the median "
           "over the timed steps of the slowest rank's)")
 

@@ -32,7 +32,10 @@ def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], order: Sequence[
     sq = torch.zeros(len(order), dtype=torch.float32, device=device)
     if grads:
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        sq[torch.tensor(idx, device=device)] = torch.stack(norms).square()
+        where = torch.tensor(idx, dtype=torch.int64)
+        if sq.is_cuda:    # a pageable copy would wait for the backward still queued: pinned, async
+            where = where.pin_memory().to(sq.device, non_blocking=True)
+        sq[where] = torch.stack(norms).square()
     for dim in ("tp", "pp"):
         if axes[dim].size > 1:
             dist.all_reduce(sq, group=axes[dim].group)
