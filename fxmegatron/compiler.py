@@ -20,6 +20,7 @@ from fxmegatron.errors import ScheduleError, ShardingError
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.dropout_rng import apply_counter_rng
+from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
@@ -55,6 +56,7 @@ def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_pa
 
     passes = [Pass("tensor_parallel", tensor_parallel, ensures={"tp_rewritten"})]
     passes.append(Pass("loss_reads_logits_dtype", loss_reads_logits_dtype, requires={"tp_rewritten"}))
+    passes.append(Pass("loss_grad_reuses_logits", loss_grad_reuses_logits, requires={"tp_rewritten"}))
     passes.append(Pass("attention_rewrites", attention_rewrites, requires={"tp_rewritten"}))
     if tp == 1:
         passes.append(Pass("drop_trivial_collectives", drop_trivial_collectives, requires={"tp_rewritten"}))

@@ -11,7 +11,10 @@ and keeps several full-size fp32 tensors for backward. Here
 * backward: (softmax − one-hot) · grad written straight into the logits' dtype,
   recomputed from the saved logits and the per-row log-sum-exp. No collective.
 
-Only the logits (the lm_head's output, kept anyway) and two vectors of N are saved.
+Only the logits (the lm_head's output, kept anyway) and two vectors of N are saved. When
+nothing else reads the logits (``reuse_logits``, set by ``passes.loss_grad_in_place`` where it
+proved that), the backward writes the gradient over them instead of into a new [N, V/t]
+tensor, as inductor reuses a dead input's buffer: one logits-sized tensor less at the peak.
 """
 from __future__ import annotations
 
@@ -66,7 +69,8 @@ def _kernels():
 # torch.library ops, so that torch.compile keeps them as calls (inductor would otherwise
 # trace the unfused fp32 form); ``group_name`` as in ``fxmegatron.ops.collectives``
 @torch.library.custom_op("fxmegatron::vocab_ce", mutates_args=())
-def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: str) -> Tuple[Tensor, Tensor]:
+def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: str,
+             reuse_logits: bool = False) -> Tuple[Tensor, Tensor]:
     """(per-row losses, per-row log-sum-exp) of [N, V/t] logits split along the vocabulary."""
     from fxmegatron.ops.groups import communicator
     fwd, _ = _kernels()
@@ -87,7 +91,7 @@ def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: st
 
 
 @vocab_ce.register_fake
-def _(logits, local_target, valid, group_name):
+def _(logits, local_target, valid, group_name, reuse_logits=False):
     n = logits.shape[0]
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
@@ -112,22 +116,39 @@ def _(logits, local_target, lse, g):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
+@torch.library.custom_op("fxmegatron::vocab_ce_backward_", mutates_args=("logits",))
+def vocab_ce_backward_(logits: Tensor, local_target: Tensor, lse: Tensor, g: Tensor) -> None:
+    """``vocab_ce_backward`` written over ``logits`` (contiguous): each element is read, then
+    written, by the same program."""
+    _, bwd = _kernels()
+    n, v = logits.shape
+    if not logits.is_cuda and logits.dtype != torch.float32:     # the interpreter's rounding: as above
+        logits.copy_(vocab_ce_backward(logits, local_target, lse, g))
+        return
+    bwd[(n, (v + _BV_BWD - 1) // _BV_BWD)](logits, local_target.contiguous(), lse, g.contiguous(), logits, v,
+                                            logits.stride(0), BV=_BV_BWD)
+
+
 def _setup(ctx, inputs, output):
-    logits, local_target, valid, _ = inputs
+    logits, local_target, valid, _, reuse = inputs
+    ctx.reuse = reuse and logits.stride(-1) == 1 and logits.is_contiguous()
     ctx.save_for_backward(logits, local_target, output[1], valid)
 
 
 def _backward(ctx, g, _g_lse):
     logits, local_target, lse, valid = ctx.saved_tensors
     g = g.float() * valid            # ignored tokens: no gradient
-    return vocab_ce_backward(logits, local_target, lse, g), None, None, None
+    if ctx.reuse:
+        vocab_ce_backward_(logits, local_target, lse, g)
+        return logits, None, None, None, None
+    return vocab_ce_backward(logits, local_target, lse, g), None, None, None, None
 
 
 vocab_ce.register_autograd(_backward, setup_context=_setup)
 
 
 def fused_vocab_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, group_name: str,
-                              ignore_index: int = -100) -> Tensor:
+                              ignore_index: int = -100, reuse_logits: bool = False) -> Tensor:
     """Per-token losses (0 where ``target == ignore_index``), fp32; see the module doc."""
     local = target - vocab_start
     inside = (local >= 0) & (local < logits.shape[-1])
@@ -135,5 +156,5 @@ def fused_vocab_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, 
     # -1: not this rank's class (or ignored); the kernels then pick nothing and subtract no one-hot
     local = torch.where(inside & valid, local, torch.full_like(local, -1))
     v = logits.shape[-1]
-    loss, _ = vocab_ce(logits.reshape(-1, v), local.reshape(-1), valid.reshape(-1), group_name)
+    loss, _ = vocab_ce(logits.reshape(-1, v), local.reshape(-1), valid.reshape(-1), group_name, reuse_logits)
     return loss.reshape(logits.shape[:-1])

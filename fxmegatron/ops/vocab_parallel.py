@@ -29,21 +29,24 @@ def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int,
 
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int,
                                  group_name: str, reduction: int = 1,
-                                 ignore_index: int = -100, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+                                 ignore_index: int = -100, out_dtype: Optional[torch.dtype] = None,
+                                 reuse_logits: bool = False) -> Tensor:
     """Cross-entropy over logits split along the class (last) dim.
 
     Three all-reduces of ``N`` numbers instead of gathering ``N x V`` logits:
     the max (for stability), the sum of exponentials and the target's logit.
     ``reduction`` follows ATen: 0 none, 1 mean over non-ignored targets, 2 sum.
     ``out_dtype``: the loss's dtype (default the logits'); ``passes.loss_upcast`` sets float32
-    where the model upcast its logits only to compute this loss.
+    where the model upcast its logits only to compute this loss. ``reuse_logits``: nothing else
+    reads the logits (``passes.loss_grad_in_place`` proved it), so the fused kernel's backward
+    may write their gradient over them.
     """
     out_dtype = out_dtype or logits.dtype
     from fxmegatron.codegen.where_kernels_run import kernels_in_compiled_graph, kernels_run
     # a real GPU tensor, the interpreter, or torch.compile tracing for either (the op stays a call)
     if kernels_run(logits) or kernels_in_compiled_graph(logits):
         from fxmegatron.kernels.cross_entropy import fused_vocab_cross_entropy
-        loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index)
+        loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index, reuse_logits)
         return _reduce(loss, target != ignore_index, reduction, out_dtype)
     logits = logits.float()    # softmax statistics in fp32 whatever the model's dtype, as Megatron does
     shift = all_reduce_max(logits.detach().amax(-1), group_name)

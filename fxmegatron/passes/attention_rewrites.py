@@ -96,6 +96,7 @@ def _is_causal_value(m: torch.Tensor, q_len: int, k_len: int) -> bool:
 def causal_mask(gm: fx.GraphModule) -> int:
     """Apply the ``causal_mask`` rewrite where its precondition holds; returns how many."""
     done = 0
+    verdicts = {}     # one mask serves every layer: evaluate it once
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not SDPA:
             continue
@@ -105,11 +106,15 @@ def causal_mask(gm: fx.GraphModule) -> int:
         q, k = n.args[0].meta.get("val"), n.args[1].meta.get("val")
         if q is None or k is None:
             continue
-        value = _constant_value(mask)
-        if value is None or not _is_causal_value(value, q.shape[-2], k.shape[-2]):
+        key = (mask, q.shape[-2], k.shape[-2])
+        if key not in verdicts:
+            value = _constant_value(mask)
+            verdicts[key] = value is not None and _is_causal_value(value, q.shape[-2], k.shape[-2])
+        if not verdicts[key]:
             continue
         _set(n, attn_mask=None, is_causal=True)
-        _erase_dead(mask)
+        if not mask.users:
+            _erase_dead(mask)
         done += 1
     return done
 

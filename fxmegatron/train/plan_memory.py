@@ -14,7 +14,8 @@ Some ops take another form on a real device than on meta, and keep other tensors
 * ``scaled_dot_product_attention`` is a fused kernel on GPUs (flash or memory-efficient) and
   on CPUs (flash), which never stores the s×s scores; on meta it decomposes into the math
   path, which does. It runs here as the fused kernel (its CPU flash form, whose meta kernel
-  saves what the GPU kernels save: q, k, v, the output, the log-sum-exp and the mask);
+  saves what the GPU kernels save: q, k, v, the output, the log-sum-exp and the mask; with
+  grouped kv heads, ``enable_gqa``, the same with k and v unrepeated);
 * the vocab-parallel cross-entropy runs a Triton kernel where fxmegatron's kernels run (GPUs,
   or the CPU under ``TRITON_INTERPRET=1``: ``codegen.where_kernels_run``), which keeps the
   logits and three vectors, and elsewhere (meta included) a torch form with fp32 copies of
@@ -48,8 +49,26 @@ OPTIMIZER_NOTES = {
 }
 
 
+class _GroupedFlash(torch.autograd.Function):
+    """What a fused kernel with grouped kv heads keeps: q, the kv heads as they are, the output
+    and the log-sum-exp (the CPU flash op has no ``enable_gqa`` to measure)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """``scaled_dot_product_attention`` as a fused kernel runs it (see the module docstring)."""
+    if enable_gqa and attn_mask is None and dropout_p == 0 and q.dim() == 4:
+        return _GroupedFlash.apply(q, k, v)
     if enable_gqa or dropout_p > 0 or q.dim() != 4:
         return aten.scaled_dot_product_attention.default(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                                                          enable_gqa=enable_gqa)
@@ -58,7 +77,7 @@ def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 
 
 def kernel_cross_entropy(logits, target, vocab_start: int, group_name: str, reduction: int = 1,
-                         ignore_index: int = -100, out_dtype=None):
+                         ignore_index: int = -100, out_dtype=None, reuse_logits=False):
     """``vocab_parallel_cross_entropy`` as its kernel runs it. Only the count of saved bytes is
     read on meta, and the reduction of the per-token losses keeps no tensor of any size."""
     loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index)

@@ -1,0 +1,76 @@
+"""passes/loss_grad_in_place.py: where nothing but the loss reads the logits, the fused
+cross-entropy's backward writes the gradient over them (one logits-sized tensor less at the
+peak) and every number stays the same, bit for bit; where something else might read them
+(the logits are a graph output, or come from an op whose backward saves its output) the
+backward stays out of place."""
+import copy
+
+import pytest
+import torch
+
+import fxmegatron
+import fxmegatron.compiler
+from fxmegatron.kernels.cross_entropy import vocab_ce
+from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
+from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
+from tests.families import FAMILIES, make_batch
+
+aten = torch.ops.aten
+
+
+def run(model, batch, rewrite, monkeypatch, **kw):
+    with monkeypatch.context() as mp:
+        if not rewrite:
+            mp.setattr(fxmegatron.compiler, "loss_grad_reuses_logits", lambda gm: 0)
+        pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, **kw)
+    loss = pm.train_step(batch)
+    losses = [n for n in pm.graph_module.graph.nodes if n.target is vocab_parallel_cross_entropy]
+    return loss, {n: p.grad for n, p in pm.named_parameters()}, losses
+
+
+@pytest.mark.parametrize("family,dtype,kw", [("gpt2", torch.bfloat16, {}), ("llama", torch.float32, {}),
+                                             ("qwen2", torch.bfloat16, {"microbatches": 2}),
+                                             ("llama", torch.float32, {"compile": True})])
+def test_same_numbers_with_the_gradient_in_place(family, dtype, kw, monkeypatch):
+    fam = FAMILIES[family]
+    model = fam.build().to(dtype)
+    batch = make_batch(fam, seed=5, batch_size=4)
+    loss0, grads0, ce0 = run(model, batch, False, monkeypatch, **kw)
+    loss1, grads1, ce1 = run(model, batch, True, monkeypatch, **kw)
+    assert ce1[0].kwargs.get("reuse_logits") is True and not ce0[0].kwargs.get("reuse_logits")
+    assert torch.equal(loss0, loss1)
+    for name in grads0:
+        assert torch.equal(grads0[name], grads1[name]), name
+
+
+def test_the_gradient_is_the_logits_storage():
+    torch.manual_seed(0)
+    x = torch.randn(6, 10, requires_grad=True)
+    t = torch.randint(0, 10, (6,))
+    for reuse in (False, True):
+        logits = x * 1.0          # a fresh tensor, as a matmul's output
+        seen = []
+        logits.register_hook(lambda g: seen.append(g))
+        loss, _ = vocab_ce(logits, t, torch.ones(6, dtype=torch.bool), "", reuse)
+        loss.sum().backward()
+        assert (seen[0].data_ptr() == logits.data_ptr()) is reuse
+        if not reuse:
+            expected = seen[0].clone()
+    assert torch.equal(seen[0], expected)
+
+
+def graph(producer, output_logits=False):
+    g = torch.fx.Graph()
+    h, w, y = g.placeholder("h"), g.placeholder("w"), g.placeholder("y")
+    logits = g.call_function(aten.mm.default, (h, w)) if producer == "mm" else g.call_function(aten.tanh.default, (h,))
+    view = g.call_function(aten.view.default, (logits, [-1, 8]))
+    loss = g.call_function(vocab_parallel_cross_entropy, (view, y, 0, "0", 1, -100))
+    g.output((loss, logits) if output_logits else (loss,))
+    return torch.fx.GraphModule(torch.nn.Module(), g), loss
+
+
+def test_precondition_on_the_graph():
+    gm, loss = graph("mm")
+    assert loss_grad_reuses_logits(gm) == 1 and loss.kwargs == {"reuse_logits": True}
+    for gm, loss in (graph("tanh"), graph("mm", output_logits=True)):   # tanh saves its output
+        assert loss_grad_reuses_logits(gm) == 0 and loss.kwargs == {}
