@@ -15,3 +15,18 @@ def decisions(plan):
     """module path (or node name at the top level) -> the plan's Decision for its matmul,
     embedding or loss (the last one where a module has several)."""
     return {module_path(n) or n.name: d for n, d in plan.decisions.items()}
+
+
+def train_once(model, batch, monkeypatch, disable=None, **kw):
+    """(loss, {name: grad}, graph) of one ``train_step`` of ``parallelize(copy of model)`` at one
+    process; ``disable``: the name of a pass in ``fxmegatron.compiler`` to turn into a no-op."""
+    import copy
+
+    import fxmegatron
+    import fxmegatron.compiler
+    with monkeypatch.context() as mp:
+        if disable:
+            mp.setattr(fxmegatron.compiler, disable, lambda gm: 0)
+        pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, **kw)
+    loss = pm.train_step(batch)
+    return loss, {n: p.grad for n, p in pm.named_parameters()}, pm.graph_module.graph

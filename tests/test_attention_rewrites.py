@@ -4,28 +4,20 @@ program's numbers unchanged (fp32: loss 1e-5, gradients 1e-4 against the same pr
 the rewrites). Families: Llama (GQA), GPT-2 (no GQA), Gemma (MQA-free, head_dim scale),
 Falcon (one kv head, broadcast by SDPA itself: nothing to rewrite), Mistral (a sliding window: that mask is not causal and must stay), and a
 batch with an attention_mask input (a mask computed from an input must stay)."""
-import copy
-
 import pytest
 import torch
 
-import fxmegatron
-import fxmegatron.compiler
 from fxmegatron.passes.attention_rewrites import causal_mask, grouped_kv
 from tests.families import FAMILIES, make_batch
+from tests.helpers import train_once
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 
 
 def run(model, batch, rewrite, monkeypatch):
-    with monkeypatch.context() as mp:
-        if not rewrite:
-            mp.setattr(fxmegatron.compiler, "attention_rewrites", lambda gm: 0)
-        pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch)
-    loss = pm.train_step(batch)
-    sdpa = [n for n in pm.graph_module.graph.nodes if n.target is SDPA]
-    return loss, {n: p.grad for n, p in pm.named_parameters()}, sdpa
+    loss, grads, graph = train_once(model, batch, monkeypatch, None if rewrite else "attention_rewrites")
+    return loss, grads, [n for n in graph.nodes if n.target is SDPA]
 
 
 def check_same(a, b):

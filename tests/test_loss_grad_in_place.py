@@ -3,29 +3,21 @@ cross-entropy's backward writes the gradient over them (one logits-sized tensor 
 peak) and every number stays the same, bit for bit; where something else might read them
 (the logits are a graph output, or come from an op whose backward saves its output) the
 backward stays out of place."""
-import copy
-
 import pytest
 import torch
 
-import fxmegatron
-import fxmegatron.compiler
 from fxmegatron.kernels.cross_entropy import vocab_ce
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
 from tests.families import FAMILIES, make_batch
+from tests.helpers import train_once
 
 aten = torch.ops.aten
 
 
 def run(model, batch, rewrite, monkeypatch, **kw):
-    with monkeypatch.context() as mp:
-        if not rewrite:
-            mp.setattr(fxmegatron.compiler, "loss_grad_reuses_logits", lambda gm: 0)
-        pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, **kw)
-    loss = pm.train_step(batch)
-    losses = [n for n in pm.graph_module.graph.nodes if n.target is vocab_parallel_cross_entropy]
-    return loss, {n: p.grad for n, p in pm.named_parameters()}, losses
+    loss, grads, graph = train_once(model, batch, monkeypatch, None if rewrite else "loss_grad_reuses_logits", **kw)
+    return loss, grads, [n for n in graph.nodes if n.target is vocab_parallel_cross_entropy]
 
 
 @pytest.mark.parametrize("family,dtype,kw", [("gpt2", torch.bfloat16, {}), ("llama", torch.float32, {}),

@@ -4,29 +4,20 @@ loss and gradients bit for bit, without the fp32 copy of the [N, V] logits (on a
 see the GPU test). Checked on families with different heads (tied GPT-2, untied Llama, Gemma2's
 soft-capped logits, Qwen2), and the precondition's refusals: an fp32 model, an fp32 copy that
 something besides the loss reads."""
-import copy
-
 import pytest
 import torch
 
-import fxmegatron
-import fxmegatron.compiler
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from tests.families import FAMILIES, make_batch
+from tests.helpers import train_once
 
 aten = torch.ops.aten
 
 
 def run(model, batch, rewrite, monkeypatch):
-    with monkeypatch.context() as mp:
-        if not rewrite:
-            mp.setattr(fxmegatron.compiler, "loss_reads_logits_dtype", lambda gm: 0)
-        pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch)
-    loss = pm.train_step(batch)
-    grads = {n: p.grad for n, p in pm.named_parameters()}
-    losses = [n for n in pm.graph_module.graph.nodes if n.target is vocab_parallel_cross_entropy]
-    return loss, grads, losses
+    loss, grads, graph = train_once(model, batch, monkeypatch, None if rewrite else "loss_reads_logits_dtype")
+    return loss, grads, [n for n in graph.nodes if n.target is vocab_parallel_cross_entropy]
 
 
 def fp32_casts(nodes):
