@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from fxmegatron.errors import CheckpointError, ExportError, FxMegatronError
 from fxmegatron.io.checkpoint import read_extra, read_full_state
-from fxmegatron.train.models import build_hf, load_model, tie_groups, tied_source
+from fxmegatron.train.models import build_hf, load_model, tied_sources
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -79,17 +79,16 @@ def _check_names(model: nn.Module, state: Mapping[str, torch.Tensor], where: str
     """``state`` under every parameter name of ``model`` (a tied name from its twin), shapes
     checked; a parameter the checkpoint lacks, or a tensor the model has no place for, is an
     ExportError."""
-    tied = tie_groups(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    found, missing, extra = tied_sources(list(params), state, model)
+    if missing:
+        raise ExportError(f"{where}: the checkpoint has no parameter {missing[0]!r} of {type(model).__name__}")
     out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        src = tied_source(name, state, tied)
-        if src is None:
-            raise ExportError(f"{where}: the checkpoint has no parameter {name!r} of {type(model).__name__}")
-        if tuple(state[src].shape) != tuple(p.shape):
+    for name, src in found.items():
+        if tuple(state[src].shape) != tuple(params[name].shape):
             raise ExportError(f"{where}: {src} has shape {list(state[src].shape)} in the checkpoint, "
-                              f"{type(model).__name__} wants {list(p.shape)}")
+                              f"{type(model).__name__} wants {list(params[name].shape)}")
         out[name] = state[src]
-    extra = sorted(set(state) - set(out))
     if extra:
         raise ExportError(f"{where}: the checkpoint's parameter {extra[0]!r} is not one of {type(model).__name__}'s "
                           f"({len(extra)} such)")

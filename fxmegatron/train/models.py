@@ -23,7 +23,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -57,10 +57,19 @@ class ModelSource:
     example_batch: Any = None
 
 
-def tied_source(name: str, have, tied: Mapping[str, Any]) -> Optional[str]:
-    """The key under which ``name`` is found in ``have``: itself, else a weight tied to it (a tied
-    LM head is stored once, under the embedding's name)."""
-    return name if name in have else next((t for t in tied.get(name, ()) if t in have), None)
+def tied_sources(names: Sequence[str], have, model: nn.Module) -> Tuple[Dict[str, str], List[str], List[str]]:
+    """Where each of ``names`` (``model``'s) is found in ``have``: under its own name, else under
+    a weight tied to it (a tied LM head is stored once, under the embedding's name). Returns
+    ({name: key}, the names found nowhere in model order, the keys no name is, sorted)."""
+    tied = tie_groups(model)
+    found, missing = {}, []
+    for name in names:
+        src = name if name in have else next((t for t in tied.get(name, ()) if t in have), None)
+        if src is None:
+            missing.append(name)
+        else:
+            found[name] = src
+    return found, missing, sorted(set(have) - set(names))
 
 
 def load_model(kind: str, path: Optional[str], options: Optional[Mapping[str, Any]],
@@ -214,15 +223,11 @@ class SafetensorsState(Mapping):
         model must be there (or be tied to one that is) with its shape, and nothing else."""
         in_files = _tensors_in_folder(folder)
         expected = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
-        tied = tie_groups(model)
-        keys = {}
-        for name in expected:
-            src = tied_source(name, in_files, tied)
-            if src is None:
-                raise ConfigError(f"{folder}: no tensor {name!r} in its safetensors files; "
-                                  f"{type(model).__name__} expects it")
-            keys[name] = in_files[src]
-        unexpected = sorted(set(in_files) - set(expected))
+        found, missing, unexpected = tied_sources(list(expected), in_files, model)
+        if missing:
+            raise ConfigError(f"{folder}: no tensor {missing[0]!r} in its safetensors files; "
+                              f"{type(model).__name__} expects it")
+        keys = {name: in_files[src] for name, src in found.items()}
         if unexpected:
             raise ConfigError(f"{in_files[unexpected[0]][0]}: tensor {unexpected[0]!r} is not a parameter or buffer "
                               f"of {type(model).__name__} ({len(unexpected)} such; fxmegatron reads the files as "
