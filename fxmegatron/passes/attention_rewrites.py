@@ -113,17 +113,22 @@ def causal_mask(gm: fx.GraphModule) -> int:
         if not verdicts[key]:
             continue
         _set(n, attn_mask=None, is_causal=True)
-        if not mask.users:
-            _erase_dead(mask)
+        _erase_dead(mask)
         done += 1
     return done
 
 
 def _erase_dead(node: fx.Node) -> None:
-    """Erase ``node`` and what only it used (inputs, parameters and impure ops stay)."""
-    for n in reversed(_ancestors(node)):
-        if not n.users and n.op == "call_function" and not n.is_impure():
-            n.graph.erase_node(n)
+    """Erase ``node`` if nothing uses it, then its inputs that this leaves unused (inputs,
+    parameters and impure ops stay)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.users or n.op != "call_function" or n.is_impure() or getattr(n, "_erased", False):
+            continue
+        inputs = n.all_input_nodes
+        n.graph.erase_node(n)
+        stack.extend(inputs)
 
 
 def _repeated_kv(n: fx.Node):
@@ -167,8 +172,7 @@ def grouped_kv(gm: fx.GraphModule) -> int:
         n.args = (n.args[0], k[0], v[0]) + tuple(n.args[3:])
         _set(n, enable_gqa=True)
         _erase_dead(old_k)
-        if old_v is not old_k:
-            _erase_dead(old_v)
+        _erase_dead(old_v)
         done += 1
     return done
 

@@ -21,18 +21,17 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
+from fxmegatron.passes.loss_upcast import CASTS, VIEWS
 
 aten = torch.ops.aten
 _MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 
 
 def _view_like(n: fx.Node) -> bool:
     """A view, or a cast to the dtype it already has (``logits.float()`` of fp32 logits)."""
-    if n.target in _VIEWS:
+    if n.target in VIEWS:
         return True
-    if n.target in _CASTS and isinstance(n.args[0], fx.Node):
+    if n.target in CASTS and isinstance(n.args[0], fx.Node):
         a, b = n.args[0].meta.get("val"), n.meta.get("val")
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
             and a.device == b.device

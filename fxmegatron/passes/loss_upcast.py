@@ -26,8 +26,8 @@ import torch.fx as fx
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
 
 aten = torch.ops.aten
-_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _NARROW = {torch.bfloat16, torch.float16}
 OUT_DTYPE = 6      # vocab_parallel_cross_entropy's out_dtype argument
 
@@ -44,10 +44,10 @@ def _upcast_before(loss: fx.Node):
     """(cast node, views from the cast to the loss) when ``loss`` meets the precondition."""
     views = []
     x = loss.args[0]
-    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _VIEWS and len(x.users) == 1:
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in VIEWS and len(x.users) == 1:
         views.append(x)
         x = x.args[0]
-    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _CASTS and len(x.users) == 1):
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in CASTS and len(x.users) == 1):
         return None
     src = x.args[0]
     src_val = src.meta.get("val") if isinstance(src, fx.Node) else None

@@ -7,7 +7,7 @@ others add zeros, which is exact), and the vector is summed at the end. So a run
 with another pp computes the same norm, bit for bit, and clips by the same coefficient."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,20 +16,19 @@ import torch.nn as nn
 from fxmegatron.mesh import Axis
 
 
-def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], order: Sequence[str],
+def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], slot: Mapping[str, int],
               counts: Callable[[str], bool], axes: Mapping[str, Axis], device) -> torch.Tensor:
-    """fp32, on the device, no host sync; collective over tp and pp. ``order``: every
-    parameter name of the whole model; ``counts(name)``: whether this rank's square of
-    ``name`` is counted: once per tp shard (a weight replicated over tp counts on tp rank 0
-    only) and on one pipeline rank (a tied weight's first holder)."""
-    slot = {n: i for i, n in enumerate(order)}
+    """fp32, on the device, no host sync; collective over tp and pp. ``slot``: every parameter
+    name of the whole model -> its place in the model's order; ``counts(name)``: whether this
+    rank's square of ``name`` is counted: once per tp shard (a weight replicated over tp counts
+    on tp rank 0 only) and on one pipeline rank (a tied weight's first holder)."""
     idx: List[int] = []
     grads: List[torch.Tensor] = []
     for name, p in named_params:
         if p.grad is not None and counts(name):
             idx.append(slot[name])
             grads.append(p.grad.detach())
-    sq = torch.zeros(len(order), dtype=torch.float32, device=device)
+    sq = torch.zeros(len(slot), dtype=torch.float32, device=device)
     if grads:
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
         where = torch.tensor(idx, dtype=torch.int64)

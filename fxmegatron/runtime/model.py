@@ -55,6 +55,7 @@ class ParallelModel(nn.Module):
         pipe = program.pipeline
         self._runner: Optional[StageRunner] = None
         self._holders: Dict[str, Tuple[int, ...]] = {}
+        self._norm_slots = {n: i for i, n in enumerate(program.param_order)}   # grad_norm's sum order
         self._logits: Optional[LogitsForward] = None     # made on the first logits() call
         uses: Dict[int, int] = {}
         if pipe is not None:
@@ -268,7 +269,7 @@ class ParallelModel(nn.Module):
         """The norm of the whole (unsplit) model's gradient, as ``torch.nn.utils.clip_grad_norm_``
         on the unmodified model computes it (fp32, on the device, no host sync). Collective over
         tp and pp (every rank must call it)."""
-        return grad_norm(self.named_parameters(), self.program.param_order, self._counts_square, self.program.axes,
+        return grad_norm(self.named_parameters(), self._norm_slots, self._counts_square, self.program.axes,
                          self.program.device)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
