@@ -2,6 +2,7 @@
 eval steps, their loss weights, gradient norm and clipping, whole state and dumps)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -156,22 +157,29 @@ class ParallelModel(nn.Module):
         hooks' state, the dropout step and torch's RNG are left as they were, and so is each
         module's train/eval mode. Collective like ``train_step``: every rank calls it."""
         micro, weights = self._microbatches(args, kwargs)
-        # per module, not self.train(flag): a submodule the caller set apart stays so
+        with self._forward_only():
+            if self._runner is None:
+                total = None
+                for mb, w in zip(micro, weights):
+                    loss = self.graph_module(*mb)[0] * w
+                    total = loss if total is None else total + loss
+            else:
+                total = self._runner.run_forward(micro, weights, dropout_off=True)
+        return self._global_loss(total)
+
+    @contextlib.contextmanager
+    def _forward_only(self):
+        """No grad, every module in eval mode (the dropout key goes to its eval form, and the
+        step counter stays), each module's own mode back afterwards: per module, not
+        ``self.train(flag)``, so a submodule the caller set apart stays so."""
         modes = [(mod, mod.training) for mod in self.modules()]
-        self.eval()      # the dropout key goes to its eval form, and the step counter stays
+        self.eval()
         try:
             with torch.no_grad():
-                if self._runner is None:
-                    total = None
-                    for mb, w in zip(micro, weights):
-                        loss = self.graph_module(*mb)[0] * w
-                        total = loss if total is None else total + loss
-                else:
-                    total = self._runner.run_forward(micro, weights, dropout_off=True)
+                yield
         finally:
             for mod, training in modes:
                 mod.training = training
-        return self._global_loss(total)
 
     def logits(self, *args, gather: bool = True, **kwargs) -> torch.Tensor:
         """The logits of a batch, forward only, as the unmodified model computes them: the
@@ -206,14 +214,8 @@ class ParallelModel(nn.Module):
         if self.batch_checks > 0:
             self.batch_checks -= 1
             check_same_batch(flat, list(self.program.input_names), self.program.axes)
-        modes = [(mod, mod.training) for mod in self.modules()]
-        self.eval()      # as in eval_step: the dropout key in its eval form, the step counter kept
-        try:
-            with torch.no_grad():
-                return self._logits(flat, gather)
-        finally:
-            for mod, training in modes:
-                mod.training = training
+        with self._forward_only():
+            return self._logits(flat, gather)
 
     def _microbatches(self, args, kwargs) -> Tuple[List[List], List[float]]:
         """This rank's microbatches of the batch (its dp share, split in m) and their loss weights."""
