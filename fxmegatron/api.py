@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 
 from fxmegatron.compiler import compile_program
 from fxmegatron.config import ParallelConfig
+from fxmegatron.errors import VerificationError
 from fxmegatron.mesh import mesh_axes, runtime_device
 from fxmegatron.runtime.model import ParallelModel
 from fxmegatron.verify import verify as check_layout
@@ -27,10 +28,13 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                 fuse: bool = False, compile=False, tp_comm_overlap: int = 0, tp_comm_transport: str = "auto",
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
                 grad_accum_dtype: Optional[torch.dtype] = None, verify: bool = False, min_split: float = 0.5,
-                _chunked: bool = False) -> ParallelModel:
+                cp_attention: str = "ring", _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
-    ``mesh``: a torch DeviceMesh with dims named "tp" and/or "pp" (or None: one process).
+    ``mesh``: a torch DeviceMesh with dims named from "dp", "pp", "cp", "tp" (or None: one
+    process). "cp" (context parallelism) splits the whole model's sequence: rank r of cp
+    holds chunks r and 2·cp−1−r of 2·cp, and attention exchanges keys and values
+    (``cp_attention``: "ring", P2P around the cp ranks while computing, or "allgather").
     ``example_batch``: what ``model`` is called with (tuple -> positional, dict ->
     keyword); its forward must return the loss. ``sequence_parallel``: norms, dropout
     and residual adds run on sequence shards between tensor-parallel regions (g becomes
@@ -70,11 +74,16 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                          virtual_stages=virtual_stages, schedule=schedule, blocks_per_chunk=blocks_per_chunk,
                          fuse=fuse, compile=compile, tp_comm_overlap=tp_comm_overlap,
                          tp_comm_transport=tp_comm_transport, state_dict=state_dict, seed=seed, verbose=verbose,
-                         grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked)
+                         grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked,
+                         cp_attention=cp_attention)
     axes = mesh_axes(mesh)
     cfg.make_schedule(axes["pp"].size)    # a bad layout fails before verify and capture
     device = runtime_device(mesh, model)
     if cfg.verify:
+        if axes["cp"].size > 1:
+            raise VerificationError("parallelize(verify=True) simulates tp, pp and dp ranks; context parallelism "
+                                    "(cp > 1) has no simulated form yet: its parity is tested on gloo "
+                                    "(tests/test_context_parallel.py)")
         _verify_first(model, example_batch, axes, cfg)
     program = compile_program(model, example_batch, axes, device, cfg)
     if cfg.verbose and _rank0():

@@ -19,6 +19,7 @@ from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import ScheduleError, ShardingError
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_rewrites import attention_rewrites
+from fxmegatron.passes.context_parallel import apply_context_parallel
 from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
@@ -38,6 +39,7 @@ from fxmegatron.runtime.torch_compile import compile_graph
 PLAN, COVERAGE = "fxmegatron/tp_plan", "fxmegatron/tp_coverage"   # keys in GraphModule.meta
 # the passes name a collective's group by its mesh axis; materialisation binds it
 TP_AXIS = "@tp"
+CP_AXIS = "@cp"
 # data-parallel replicas see different samples: their dropout masks must differ too
 DP_SEED_STRIDE = 0x9E3779B1
 
@@ -84,11 +86,25 @@ def check_local_shapes(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
+    """Context parallelism, on the captured graph before tensor parallelism: attention's
+    causal mask proved and dropped first (cp attention runs causal or full attention),
+    then the graph cut to this rank's part of the sequence, and its shapes propagated."""
+    if cp.size == 1:
+        return []
+    return [Pass("attention_rewrites", attention_rewrites),
+            Pass("context_parallel", lambda gm: apply_context_parallel(gm, cp.size, cp.rank, CP_AXIS,
+                                                                       cap.params.keys(), variant)),
+            Pass("cp_local_shapes", check_local_shapes)]
+
+
 def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) -> List[Pass]:
     """Every graph pass of a rank, in order. After ``localize`` the graph holds meta shards.
-    Collectives name the tp axis (``TP_AXIS``), not a process group: see ``groups``."""
+    Collectives name the tp and cp axes (``TP_AXIS``, ``CP_AXIS``), not process groups: see
+    ``groups``."""
     tp = axes["tp"]
-    passes = tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank)
+    passes = cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
+    passes += tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank)
     passes += [
         Pass("localize", lambda gm: assemble_local(gm, cap, gm.meta[PLAN], tp.rank, tp.size, "meta"),
              requires={"tp_rewritten"}),
@@ -155,7 +171,7 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
 
 def groups(axes: Mapping[str, Axis]) -> dict:
     """The binding of the passes' axis names to this rank's process groups."""
-    return {TP_AXIS: axes["tp"].group_name}
+    return {TP_AXIS: axes["tp"].group_name, CP_AXIS: axes.get("cp", Axis()).group_name}
 
 
 def first_microbatch(batch, m: int, dp: int = 1):

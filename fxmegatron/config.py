@@ -38,6 +38,7 @@ class ParallelConfig:
     verify: bool = False
     min_split: float = 0.5
     chunked: bool = False      # build the pipeline form at pp=1 (stage folders need it)
+    cp_attention: str = "ring"
 
     def __post_init__(self):
         check_compile_options(self.compile, self.fuse)
@@ -55,6 +56,8 @@ class ParallelConfig:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ScheduleError(f"microbatches={self.microbatches}: must be >= 1")
         RecomputePolicy.of(self.recompute)     # an unknown mode names itself here
+        if self.cp_attention not in ("ring", "allgather"):
+            raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:
             object.__setattr__(self, "blocks_per_chunk", tuple(self.blocks_per_chunk))
 

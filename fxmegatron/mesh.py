@@ -1,5 +1,6 @@
-"""The device mesh as one rank sees it: an ``Axis`` per dim ("dp", "pp", "tp") and the device
-the rank runs on."""
+"""The device mesh as one rank sees it: an ``Axis`` per dim ("dp", "pp", "cp", "tp") and the
+device the rank runs on. With context parallelism and data parallelism both, gradients are
+reduced over the two together ("dp_cp", a flattened mesh dim)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,9 @@ import torch.nn as nn
 
 from fxmegatron.errors import MeshError
 
-KNOWN_DIMS = ("dp", "pp", "tp")
-SUPPORTED_DIMS = ("dp", "pp", "tp")
+KNOWN_DIMS = ("dp", "pp", "cp", "tp")
+SUPPORTED_DIMS = ("dp", "pp", "cp", "tp")
+ALL_AXES = ("dp", "tp", "pp", "cp", "dp_cp")
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,10 @@ class Axis:
 
 
 def mesh_axes(mesh) -> Dict[str, Axis]:
-    """{"dp": Axis, "pp": Axis, "tp": Axis} from a DeviceMesh, after checking it."""
+    """{"dp": Axis, "pp": Axis, "cp": Axis, "tp": Axis, "dp_cp": Axis} from a DeviceMesh, after
+    checking it ("dp_cp": the ranks that hold the same parameters and sum their gradients)."""
     if mesh is None:
-        return {"dp": Axis(), "tp": Axis(), "pp": Axis()}
+        return {n: Axis() for n in ALL_AXES}
     names = tuple(mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in KNOWN_DIMS]
     if not names or unknown:
@@ -50,15 +53,19 @@ def mesh_axes(mesh) -> Dict[str, Axis]:
         if n not in SUPPORTED_DIMS and s > 1:
             raise MeshError(f"mesh dim {n!r} of size {s} is not supported yet (supported: {SUPPORTED_DIMS})")
     axes = {}
-    for n in ("dp", "tp", "pp"):
-        if n not in names:
-            axes[n] = Axis()
-            continue
-        sub = mesh[n] if len(names) > 1 else mesh
-        group = sub.get_group()
-        axes[n] = Axis(sub.size(), sub.get_local_rank(), group.group_name,
-                       tuple(dist.get_process_group_ranks(group)))
+    for n in ("dp", "tp", "pp", "cp"):
+        axes[n] = _axis(mesh[n] if len(names) > 1 else mesh) if n in names else Axis()
+    both = [n for n in ("dp", "cp") if axes[n].size > 1]
+    if len(both) == 2:
+        axes["dp_cp"] = _axis(mesh["dp", "cp"]._flatten("dp_cp"))
+    else:
+        axes["dp_cp"] = axes[both[0]] if both else Axis()
     return axes
+
+
+def _axis(sub) -> Axis:
+    group = sub.get_group()
+    return Axis(sub.size(), sub.get_local_rank(), group.group_name, tuple(dist.get_process_group_ranks(group)))
 
 
 def runtime_device(mesh, model: Optional[nn.Module] = None) -> torch.device:

@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from fxmegatron.capture import module_path
 from fxmegatron.ops.collectives import COLLECTIVES
+from fxmegatron.ops.context_parallel import CP_COLLECTIVES, attention_steps
 from fxmegatron.ops.overlapped_linear import OVERLAPPED_COLLECTIVES
 from fxmegatron.ops.vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
 
@@ -23,6 +24,8 @@ def collective_nodes(gm: fx.GraphModule):
             out.append((n, COLLECTIVES[n.target][0]))
         elif n.target in OVERLAPPED_COLLECTIVES:
             out.append((n, OVERLAPPED_COLLECTIVES[n.target][0]))
+        elif n.target in CP_COLLECTIVES:
+            out.append((n, CP_COLLECTIVES[n.target][0]))
         elif n.target in VOCAB_PARALLEL_COLLECTIVES:
             out.append((n, "vocab_parallel_cross_entropy[" + ",".join(VOCAB_PARALLEL_COLLECTIVES[n.target]) + "]"))
     return out
@@ -49,7 +52,7 @@ def _target(n):
 
 def placement_table(gm: fx.GraphModule) -> str:
     """One row per node: its placement and the tensor-parallel rule that placed it."""
-    rows = [("node", "op", "placement", "rule", "local shape", "module", "note")]
+    rows = [("node", "op", "placement", "rule", "cp", "local shape", "module", "note")]
     for n in gm.graph.nodes:
         if n.op in ("output",):
             continue
@@ -57,7 +60,8 @@ def placement_table(gm: fx.GraphModule) -> str:
         if n.meta.get("recompute"):
             note = (note + " " if note else "") + f"[recompute: {n.meta['recompute']}]"
         rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(n.meta.get("placement")),
-                     n.meta.get("tp_rule", ""), _shape(n.meta.get("val")), module_path(n), note))
+                     n.meta.get("tp_rule", ""), n.meta.get("cp_placement", ""), _shape(n.meta.get("val")),
+                     module_path(n), note))
     k = len(rows[0]) - 1
     widths = [max(len(r[i]) for r in rows) for i in range(k)]
     return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(k)) + "  " + r[k] for r in rows) + "\n"
@@ -85,11 +89,15 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
     with open(os.path.join(directory, "placements.txt"), "w") as f:
         f.write("# R = replicated, S(d) = split along dim d, P(sum) = partial sums (reduced by g);\n"
                 "# rule: the tensor-parallel placement rule that placed the node (fxmegatron/passes/\n"
-                "# tensor_parallel/rules/<file>.<rule>; opaque: replicated, with why)\n")
+                "# tensor_parallel/rules/<file>.<rule>; opaque: replicated, with why);\n"
+                "# cp: context parallelism's placement (Seq(d): this rank's chunks of the sequence in dim d,\n"
+                "# Feq(d): whole, sequence in dim d, whole, or a partial sum over cp)\n")
         f.write(placement_table(gm))
     with open(os.path.join(directory, "collectives.txt"), "w") as f:
         for n, kind in collective_nodes(gm):
             f.write(f"{n.name:32s} {kind:48s} {module_path(n)}\n")
+            if kind == "cp_attention":
+                f.write("".join(f"    {line}\n" for line in attention_steps(n.args).splitlines()))
     with open(os.path.join(directory, "plan.txt"), "w") as f:
         for k, v in info.items():
             f.write(f"{k}: {v}\n")
@@ -108,7 +116,7 @@ def dump_program(directory: str, program, rank: int) -> None:
     ``directory/rank{rank}``: its graph, or each of its pipeline chunks, with the layout
     and the decisions that made it."""
     ax = program.axes
-    info = {dim: f"{ax[dim].size} (rank {ax[dim].rank})" for dim in ("dp", "tp", "pp")}
+    info = {dim: f"{ax[dim].size} (rank {ax[dim].rank})" for dim in ("dp", "tp", "pp", "cp") if dim in ax}
     info.update({"sequence parallel": str(program.sequence_parallel), "recompute": program.recompute,
                  "microbatches": str(program.microbatches),
                  "planning attempts": str(program.planning_attempts)})

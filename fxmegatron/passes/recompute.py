@@ -28,12 +28,13 @@ from torch.utils.checkpoint import checkpoint
 
 from fxmegatron.capture import module_path
 from fxmegatron.passes.outline import outline
+from fxmegatron.ops.context_parallel import cp_attention
 from fxmegatron.ops.dropout import counter_dropout_attention
 
 aten = torch.ops.aten
 
 SELECTIVE_OPS = frozenset({aten.scaled_dot_product_attention, aten._softmax, aten.softmax,
-                           aten._safe_softmax, counter_dropout_attention})
+                           aten._safe_softmax, counter_dropout_attention, cp_attention.overloadpacket})
 
 
 @dataclass(frozen=True)

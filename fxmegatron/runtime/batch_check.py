@@ -35,9 +35,10 @@ def fingerprint(flat: Sequence) -> torch.Tensor:
 
 
 def check_same_batch(flat: Sequence, names: Sequence[str], axes: Mapping) -> None:
-    """Raise ``BatchError`` naming the ranks of a tp or pp group that got another batch than
-    the group's first rank. Collective over tp and pp (every rank calls it with its batch)."""
-    groups = [(dim, axes[dim]) for dim in ("tp", "pp") if axes[dim].size > 1]
+    """Raise ``BatchError`` naming the ranks of a tp, pp or cp group that got another batch than
+    the group's first rank (cp ranks each take their part of the whole sequence). Collective
+    over tp, pp and cp (every rank calls it with its batch)."""
+    groups = [(dim, axes[dim]) for dim in ("tp", "pp", "cp") if dim in axes and axes[dim].size > 1]
     if not groups:
         return
     mine = fingerprint(flat)

@@ -23,11 +23,15 @@ import torch.nn as nn
 
 
 class GradSync:
-    """Bucketed, overlapped gradient averaging for ``params`` over ``group``."""
+    """Bucketed, overlapped gradient averaging for ``params`` over ``group``: the sum over the
+    group divided by ``divisor`` (default ``world``). Under context parallelism the group is
+    dp × cp and the divisor dp: each cp rank holds the gradient of its tokens' share of the
+    loss, which add up, while dp replicas each hold a mean over their own batch."""
 
     def __init__(self, params: Sequence[nn.Parameter], uses: Dict[int, int], group, world: int,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, divisor: Optional[int] = None):
         self.group, self.world = group, world
+        self.divisor = world if divisor is None else divisor
         self.params = [p for p in params if p.requires_grad]
         self.uses = uses                      # id(param) -> accumulations per microbatch
         # backward visits parameters roughly in reverse: fill buckets from the end
@@ -86,7 +90,8 @@ class GradSync:
                 self._launch(b)
         for b, (flat, work) in enumerate(self._work):
             work.wait()
-            flat.div_(self.world)
+            if self.divisor != 1:
+                flat.div_(self.divisor)
             off = 0
             for p in self.buckets[b]:
                 n = p.numel()

@@ -72,8 +72,9 @@ class ParallelModel(nn.Module):
         self._grad_sync: Optional[GradSync] = None
         if grad_accum_dtype is not None and (self.microbatches > 1 or any(v > 1 for v in uses.values())):
             self._grad_accum = Fp32GradAccumulator(list(self.parameters()), uses)
-        if self.dp_size > 1:
-            self._grad_sync = GradSync(list(self.parameters()), uses, ax["dp"].group, self.dp_size)
+        sync = ax.get("dp_cp", ax["dp"])        # dp, or dp × cp under context parallelism
+        if sync.size > 1:
+            self._grad_sync = GradSync(list(self.parameters()), uses, sync.group, sync.size, divisor=self.dp_size)
 
     # parameters keep the original model's names
     def named_parameters(self, prefix: str = "", recurse: bool = True,

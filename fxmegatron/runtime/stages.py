@@ -99,17 +99,32 @@ def token_counter(gm: fx.GraphModule, device="cpu"):
     the ancestors of the target form a small graph that needs no parameters. Weighting
     each microbatch by its count (instead of 1/m) makes the step's loss the mean over
     all counted tokens of the batch, as the unmodified model computes it, also when
-    microbatches hold different numbers of ignored labels.
+    microbatches hold different numbers of ignored labels. Under context parallelism the
+    loss is this rank's sum over the count of every cp rank (``cp_count``); the count is
+    then that of the whole sequence (``cp_take`` skipped: every cp rank gets the whole batch).
     """
+    from fxmegatron.ops.context_parallel import cp_count, cp_take
     from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
 
-    losses = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is vocab_parallel_cross_entropy]
-    if len(losses) != 1:
-        return None
-    ce = losses[0]
-    target, reduction, ignore = ce.args[1], ce.args[4], ce.args[5]
-    if reduction != 1:
-        return None
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    counts = [n for n in calls if n.target is cp_count]
+    losses = [n for n in calls if n.target is vocab_parallel_cross_entropy]
+    if counts:
+        if len(counts) != 1:
+            return None
+        target, ignore = counts[0].args[0], counts[0].args[1]
+    else:
+        if len(losses) != 1:
+            return None
+        ce = losses[0]
+        target, reduction, ignore = ce.args[1], ce.args[4], ce.args[5]
+        if reduction != 1:
+            return None
+
+    def source(n):
+        return source(n.args[0]) if n.op == "call_function" and n.target is cp_take else n
+
+    target = source(target)
     keep, stack = [], [target]
     while stack:
         n = stack.pop()
@@ -118,7 +133,7 @@ def token_counter(gm: fx.GraphModule, device="cpu"):
         if n.op == "get_attr" or n.op == "call_module":
             return None          # depends on weights or submodules: not a function of the batch alone
         keep.append(n)
-        stack.extend(n.all_input_nodes)
+        stack.extend(source(a) for a in n.all_input_nodes)
     g = fx.Graph()
     env = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -126,7 +141,7 @@ def token_counter(gm: fx.GraphModule, device="cpu"):
         env[p] = g.placeholder(p.name)
     for n in gm.graph.nodes:
         if n in keep and n.op != "placeholder":
-            env[n] = g.node_copy(n, lambda a: env[a])
+            env[n] = g.node_copy(n, lambda a: env[source(a)])
     g.output(env[target])
     sub = retarget_device(fx.GraphModule(torch.nn.Module(), g), device)
 

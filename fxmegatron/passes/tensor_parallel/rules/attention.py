@@ -109,3 +109,12 @@ def sdpa(state, node):
         else:
             state.replicate(mask, node)
     state.set(node, Shard(1), origins)
+
+
+@register("fxmegatron::cp_attention")
+def cp_attention(state, node):
+    """Context parallelism's attention (q, k, v and flags, no mask): split by heads as ``sdpa``;
+    its (out, lse) are both split alike (lse is [B, heads, S])."""
+    sdpa(state, node)
+    p = state.plc[node]
+    state.set(node, (p, p), state.origin.get(node, frozenset()))

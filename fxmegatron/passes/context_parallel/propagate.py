@@ -1,0 +1,142 @@
+"""The walk that places every node for context parallelism, and what it records.
+
+Every value starts where its inputs are. The batch's inputs are whole, their sequence dim
+known (dim 1 of a [B, S, ...] input). Values computed from them and from constants alone
+(positions, shifted labels, rotary tables) stay whole on every rank: cheap, and exact. The
+first op that also reads a value with a gradient (an embedding's weight) takes this
+rank's chunks of its whole sequence inputs (``take``), and from there on activations hold
+the rank's chunks only. A whole value that meets a split one later (a position table added
+to token embeddings, labels at the loss) is taken there too, aligned by broadcasting.
+
+A rule (``rules.py``) that cannot run an op on chunks raises ``ShardingError`` naming the
+node, its module path and why: context parallelism never guesses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Set, Tuple
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.errors import ShardingError
+from fxmegatron.passes.context_parallel import rules, rules_compute
+from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq
+from fxmegatron.passes.context_parallel.registry import rule_for
+from fxmegatron.passes.tensor_parallel.nodes import packet, val, where
+
+aten = torch.ops.aten
+RULE_MODULES = (rules, rules_compute)      # importing them fills the table
+_NO_GRAD = {aten.detach, aten.lift_fresh_copy}
+
+
+@dataclass
+class CPPlan:
+    cp: int
+    seq: int
+    plc: Dict[fx.Node, object] = field(default_factory=dict)
+    rules: Dict[fx.Node, str] = field(default_factory=dict)
+    takes: Dict[Tuple[fx.Node, fx.Node], Seq] = field(default_factory=dict)   # (value, consumer) -> where
+    sums: Set[Tuple[fx.Node, fx.Node]] = field(default_factory=set)        # partial value made whole for consumer
+    sizes: Dict[fx.Node, Tuple[int, int]] = field(default_factory=dict)    # view/expand: (arg index, dim)
+    attention: List[fx.Node] = field(default_factory=list)
+    mean_losses: Dict[fx.Node, int] = field(default_factory=dict)          # loss -> ignore_index
+    mean_divisor: Dict[fx.Node, int] = field(default_factory=dict)         # mean over the sequence -> /cp
+
+
+class State:
+    def __init__(self, gm: fx.GraphModule, cp: int, seq: int, param_names: Set[str]):
+        self.gm = gm
+        self.plan = CPPlan(cp, seq)
+        self.needs_grad: Set[fx.Node] = set()
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and n.target in param_names:
+                self.needs_grad.add(n)
+            elif (n.op == "call_function" and packet(n) not in _NO_GRAD
+                  and not (n.target is torch.ops.higher_order.wrap_with_set_grad_enabled and not n.args[0])
+                  and any(a in self.needs_grad for a in n.all_input_nodes)):
+                self.needs_grad.add(n)
+
+    def get(self, n):
+        return self.plan.plc.get(n, WHOLE) if isinstance(n, fx.Node) else WHOLE
+
+    def set(self, node, plc, rule: str):
+        self.plan.plc[node] = plc
+        self.plan.rules[node] = rule
+
+    def fail(self, node: fx.Node, why: str):
+        raise ShardingError(f"context parallelism cannot cut {where(node)}: it {why}")
+
+    def split(self, n) -> bool:
+        p = self.get(n)
+        return isinstance(p, Seq) and p.split
+
+    def take(self, a: fx.Node, consumer: fx.Node, s: Seq):
+        """``consumer`` reads this rank's chunks of the whole value ``a`` (its sequence in ``s``)."""
+        self.plan.takes[(a, consumer)] = Seq(s.dim, s.inner, True)
+
+    def take_aligned(self, a: fx.Node, consumer: fx.Node, out: Seq, out_val: torch.Tensor):
+        """Broadcasting alignment: a whole input ``a`` of an op whose output's sequence is
+        ``out`` holds, at the aligned dim, size 1 (broadcast: nothing to take), the whole
+        sequence's size (taken), or no such dim (nothing to take)."""
+        v = val(a)
+        if not isinstance(v, torch.Tensor):
+            return
+        d = out.dim - (out_val.ndim - v.ndim)
+        if d < 0 or v.shape[d] == 1:
+            return
+        if v.shape[d] != out_val.shape[out.dim]:
+            self.fail(consumer, f"reads {a.name} of shape {tuple(v.shape)} against a sequence of "
+                                f"{out_val.shape[out.dim]} at its dim {d}")
+        p = self.get(a)
+        if isinstance(p, Seq) and (p.dim, p.inner) != (d, out.inner):
+            self.fail(consumer, f"combines tensors whose sequences lie differently ({p} at {a.name}, {out} at "
+                                "the output)")
+        self.take(a, consumer, Seq(d, out.inner))
+
+    def sum_for(self, a: fx.Node, consumer: fx.Node):
+        """``consumer`` needs the partial value ``a`` whole: all-reduce over cp there."""
+        self.plan.sums.add((a, consumer))
+
+    def run(self) -> CPPlan:
+        for node in self.gm.graph.nodes:
+            self.cur = node
+            if node.op == "placeholder":
+                v = val(node)
+                known = isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == self.plan.seq
+                self.set(node, Seq(1, 1, False) if known else WHOLE, "input")
+            elif node.op == "get_attr":
+                self.set(node, WHOLE, "parameter" if node in self.needs_grad else "constant")
+            elif node.op == "output":
+                for a in node.all_input_nodes:
+                    if self.get(a) is PARTIAL:
+                        self.sum_for(a, node)
+                    elif self.split(a):
+                        self.fail(node, f"returns {a.name}, which holds this rank's chunks of the sequence "
+                                        "(context parallelism trains to a loss)")
+            elif node.op == "call_function":
+                self.visit(node, rule_for(node))
+            else:
+                if any(self.split(a) or self.get(a) is PARTIAL for a in node.all_input_nodes):
+                    self.fail(node, f"is a {node.op} node")
+                self.set(node, WHOLE, "opaque")
+        return self.plan
+
+    def visit(self, node: fx.Node, rule):
+        ins = node.all_input_nodes
+        split = any(self.split(a) for a in ins)
+        partial = any(self.get(a) is PARTIAL for a in ins)
+        if not split and not partial:
+            whole_seq = [a for a in ins if isinstance(self.get(a), Seq)]
+            if whole_seq and any(a in self.needs_grad for a in ins):
+                # compute starts here: the sequence inputs become this rank's chunks
+                for a in whole_seq:
+                    self.take(a, node, self.get(a))
+                split = True
+        rule(self, node, split)
+        self.plan.rules.setdefault(node, getattr(rule, "rule_name", rule.__name__))
+
+    def placed(self, a) -> object:
+        """``a``'s placement as the node being visited reads it (after a take)."""
+        t = self.plan.takes.get((a, self.cur))
+        return t if t is not None else self.get(a)

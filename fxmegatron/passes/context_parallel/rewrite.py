@@ -1,0 +1,74 @@
+"""The graph of one cp rank from a ``CPPlan``: takes, attention, sums and local sizes."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.ops.context_parallel import cp_attention, cp_count, cp_sum, cp_take
+from fxmegatron.passes.context_parallel.propagate import CPPlan
+from fxmegatron.passes.tensor_parallel.nodes import arg
+
+aten = torch.ops.aten
+_KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
+
+
+def _call(gm, fn, args, like: fx.Node, after: fx.Node = None, before: fx.Node = None):
+    ctx = gm.graph.inserting_after(after) if after is not None else gm.graph.inserting_before(before)
+    with ctx:
+        n = gm.graph.call_function(fn, args)
+    n.meta.update({k: like.meta[k] for k in _KEEP_META if k in like.meta})
+    return n
+
+
+def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, group_name: str, variant: str):
+    cp, seq = plan.cp, plan.seq
+    made = {}
+    for (a, consumer), s in plan.takes.items():
+        key = (a, s.dim, s.inner)
+        if key not in made:     # takes are recorded in graph order: the first consumer comes first
+            made[key] = _call(gm, cp_take, (a, s.dim, s.inner, seq, cp, rank), consumer, before=consumer)
+        consumer.replace_input_with(a, made[key])
+    summed = {}
+    for a, consumer in sorted(plan.sums, key=lambda e: e[1].name):
+        if a not in summed:
+            summed[a] = _call(gm, cp_sum, (a, group_name), a, after=a)
+        consumer.replace_input_with(a, summed[a])
+    for node, (i, d) in plan.sizes.items():
+        sizes = list(node.args[i])
+        if sizes[d] != -1:
+            sizes[d] = sizes[d] // cp
+        node.args = node.args[:i] + (sizes,) + node.args[i + 1:]
+    for node, ignore in plan.mean_losses.items():
+        args = list(node.args) + [None] * (5 - len(node.args))
+        kw = dict(node.kwargs)
+        args[2] = arg(node, 2, "weight", None)
+        args[3] = 2                              # sum over this rank's tokens
+        args[4] = ignore
+        kw.pop("weight", None), kw.pop("reduction", None), kw.pop("ignore_index", None)
+        node.args, node.kwargs = tuple(args), kw
+        users = list(node.users)
+        count = _call(gm, cp_count, (node.args[1], ignore, group_name), node, after=node)
+        mean = _call(gm, aten.div.Tensor, (node, count), node, after=count)
+        for u in users:
+            u.replace_input_with(node, mean)
+    for node, k in plan.mean_divisor.items():
+        users = list(node.users)
+        d = _call(gm, aten.div.Tensor, (node, k), node, after=node)
+        for u in users:
+            u.replace_input_with(node, d)
+    for node in plan.attention:
+        q, k, v = node.args[:3]
+        causal = bool(arg(node, 5, "is_causal", False))
+        scale = arg(node, 6, "scale", None)
+        both = _call(gm, cp_attention, (q, k, v, causal, scale, group_name, cp, rank, variant), node, before=node)
+        out = _call(gm, operator.getitem, (both, 0), node, after=both)
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+    for n, p in plan.plc.items():
+        if n.graph is gm.graph:
+            n.meta["cp_placement"] = str(p) if not isinstance(p, tuple) else ", ".join(map(str, p))
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,212 @@
+"""Context-parallel rules: ATen op -> how it runs on this rank's chunks of the sequence.
+
+Each rule is ``rule(state, node, split)``. ``split``: some input holds chunks (or a whole
+sequence input was just taken for it); the rule then places the output or refuses with
+the reason, naming the node. Without a split input the op runs whole, as in the original
+model, and the rule only tracks where the sequence went (``Seq(..., split=False)``), or
+forgets it (``WHOLE``), never refusing. A partial sum (a loss over this rank's tokens)
+stays partial through linear ops, and is summed over cp (``cp_sum``) before anything else.
+
+Stated preconditions, per family:
+* elementwise: every split input's sequence lands on the same output dim; whole inputs
+  have, at that dim, size 1 or the whole sequence (then taken);
+* views: the sequence stays one contiguous [outer, S, inner] run of one dim (``layout``);
+  slicing, selecting or padding along it is refused;
+* matmuls and embeddings: the sequence is a batch dim, never contracted;
+* norms, softmax and reductions: not over the sequence, except a sum or mean over it,
+  which becomes a partial sum;
+* cross-entropy: 2-D logits [N, V], N the flattened sequence; mean over counted tokens
+  becomes a sum over this rank's tokens divided by the count over all cp ranks;
+* attention (SDPA): q, k and v split along the sequence (dim -2), no mask (causal or
+  not), no dropout: it becomes ``cp_attention``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq, seq_through_view
+from fxmegatron.passes.context_parallel.registry import no_rule, register, sum_partials, tensor_inputs
+from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val
+
+aten = torch.ops.aten
+
+
+# ---- elementwise -------------------------------------------------------------------
+_LINEAR_UNARY = {aten.neg, aten.alias, aten.clone, aten.contiguous, aten.to, aten._to_copy, aten.view,
+                 aten.reshape, aten._unsafe_view, aten.squeeze, aten.unsqueeze, aten.type_as}
+
+
+def _partial(state, node) -> bool:
+    """Whether ``node`` keeps a partial sum partial: a copy, a negation, a scaling by a
+    whole value, a sum of partial values."""
+    pk, ins = packet(node), tensor_inputs(node)
+    parts = [a for a in ins if state.get(a) is PARTIAL]
+    if not parts:
+        return False
+    if pk in _LINEAR_UNARY:
+        return node.args[0] in parts and len(parts) == 1
+    if pk is aten.mul:
+        return len(parts) == 1 and all(state.get(a) is WHOLE for a in ins if a not in parts)
+    if pk is aten.div:
+        return parts == [node.args[0]] and all(state.get(a) is WHOLE for a in ins if a is not node.args[0])
+    if pk in (aten.add, aten.sub):
+        return len(parts) == len(ins) == 2 and len(node.args) < 3 and not node.kwargs
+    return False
+
+
+@register("pointwise", aten.dropout, aten.type_as, aten.masked_fill, aten.where, aten.alias, aten.clone, aten.contiguous,
+          aten.detach, aten.lift_fresh_copy, aten.gelu, aten.silu, aten.to, aten._to_copy)
+def elementwise(state, node, split):
+    """Output's sequence where every sequence input's lands (right-aligned broadcasting)."""
+    out = val(node)
+    if _partial(state, node):
+        return state.set(node, PARTIAL, "elementwise.partial")
+    sum_partials(state, node)
+    if not isinstance(out, torch.Tensor):
+        return no_rule(state, node, split)
+    if packet(node) is aten.dropout and split and node.args[1] > 0 and node.args[2]:
+        state.fail(node, f"is dropout (p={node.args[1]}): counter-based dropout does not yet know the "
+                         "global positions of this rank's two chunks")
+    seqs = {}
+    for a in tensor_inputs(node):
+        p = state.placed(a)
+        if isinstance(p, Seq) and (p.split or not split):
+            seqs[a] = p.at(p.dim + out.ndim - val(a).ndim)
+    if len(set(seqs.values())) > 1:
+        if split:
+            state.fail(node, "combines tensors whose sequences lie on different dims "
+                             f"({', '.join(f'{a.name}: {s}' for a, s in seqs.items())})")
+        return state.set(node, WHOLE, "elementwise")
+    if not seqs:
+        return state.set(node, WHOLE, "elementwise")
+    s = next(iter(seqs.values()))
+    if split:
+        for a in tensor_inputs(node):
+            if a not in seqs:
+                state.take_aligned(a, node, s, out)
+    state.set(node, s, "elementwise")
+
+
+# ---- views ---------------------------------------------------------------------------
+def _seq_of(state, node, split):
+    """The placement of ``node.args[0]``, or None when it holds no sequence."""
+    p = state.placed(node.args[0])
+    return p if isinstance(p, Seq) else None
+
+
+def _view_result(state, node, split, s, why):
+    if s is None:
+        if split:
+            state.fail(node, why)
+        return state.set(node, WHOLE, "views")
+    state.set(node, s, "views")
+
+
+@register(aten.view, aten.reshape, aten._unsafe_view, aten.expand)
+def reshape(state, node, split):
+    if _partial(state, node):
+        return state.set(node, PARTIAL, "views.partial")
+    sum_partials(state, node)
+    s = _seq_of(state, node, split)
+    if s is None:
+        return state.set(node, WHOLE, "views")
+    x = val(node.args[0])
+    if packet(node) is aten.expand:
+        lead = val(node).ndim - x.ndim
+        r = s.at(s.dim + lead)
+    else:
+        r = seq_through_view(tuple(x.shape), s, tuple(val(node).shape), state.plan.seq)
+    if r is not None and r.split:
+        state.plan.sizes[node] = (1, r.dim)
+    _view_result(state, node, split, r, f"reshapes {tuple(x.shape)} to {tuple(val(node).shape)}, which cuts "
+                                        f"the sequence ({s}) apart")
+
+
+@register(aten.permute, aten.transpose, aten.t, aten.unsqueeze, aten.squeeze)
+def move_dims(state, node, split):
+    if _partial(state, node):
+        return state.set(node, PARTIAL, "views.partial")
+    s = _seq_of(state, node, split)
+    if s is None:
+        return state.set(node, WHOLE, "views")
+    nd, pk = val(node.args[0]).ndim, packet(node)
+    if pk is aten.permute:
+        perm = [norm(d, nd) for d in node.args[1]]
+        r = s.at(perm.index(s.dim))
+    elif pk in (aten.transpose, aten.t):
+        a, b = (norm(node.args[1], nd), norm(node.args[2], nd)) if pk is aten.transpose else (0, 1)
+        r = s.at(b if s.dim == a else a if s.dim == b else s.dim)
+    elif pk is aten.unsqueeze:
+        d = norm(node.args[1], nd + 1)
+        r = s.at(s.dim + (1 if d <= s.dim else 0))
+    else:
+        dims = node.args[1] if len(node.args) > 1 else [i for i in range(nd) if val(node.args[0]).shape[i] == 1]
+        dims = [norm(d, nd) for d in ([dims] if isinstance(dims, int) else dims)]
+        dims = [d for d in dims if val(node.args[0]).shape[d] == 1]
+        r = s.at(s.dim - sum(1 for d in dims if d < s.dim))
+    state.set(node, r, "views")
+
+
+@register(aten.slice, aten.select, aten.narrow)
+def index_dim(state, node, split):
+    s = _seq_of(state, node, split)
+    sum_partials(state, node)
+    if s is None:
+        return state.set(node, WHOLE, "views")
+    nd = val(node.args[0]).ndim
+    d = norm(arg(node, 1, "dim", 0), nd)
+    if d == s.dim:
+        x, y = val(node.args[0]), val(node)
+        if tuple(x.shape) == tuple(y.shape):      # a slice of everything
+            return state.set(node, s, "views")
+        return _view_result(state, node, split, None, f"slices or selects along the sequence ({s})")
+    r = s.at(s.dim - 1) if packet(node) is aten.select and d < s.dim else s
+    state.set(node, r, "views")
+
+
+@register(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)
+def pieces(state, node, split):
+    """Pieces along another dim than the sequence (a fused qkv projection's split)."""
+    sum_partials(state, node)
+    s = _seq_of(state, node, split)
+    n = len(val(node))
+    if s is None:
+        return state.set(node, (WHOLE,) * n, "views.pieces")
+    nd = val(node.args[0]).ndim
+    d = norm(arg(node, 1 if packet(node) is aten.unbind else 2, "dim", 0), nd)
+    if d == s.dim:
+        if split:
+            state.fail(node, f"cuts the sequence ({s}) into pieces")
+        return state.set(node, (WHOLE,) * n, "views.pieces")
+    r = s.at(s.dim - 1) if packet(node) is aten.unbind and d < s.dim else s
+    state.set(node, (r,) * n, "views.pieces")
+
+
+@register(aten.cat)
+def cat(state, node, split):
+    sum_partials(state, node)
+    parts = node.args[0]
+    out = val(node)
+    d = norm(arg(node, 1, "dim", 0), out.ndim)
+    ps = [state.placed(a) for a in parts]
+    seqs = {p for p in ps if isinstance(p, Seq)}
+    if split and (len(seqs) != 1 or any(not isinstance(p, Seq) for p in ps) or next(iter(seqs)).dim == d):
+        state.fail(node, f"concatenates {[str(p) for p in ps]} along dim {d}: only tensors split alike, "
+                         "joined along another dim than the sequence")
+    if len(seqs) == 1 and all(isinstance(p, Seq) for p in ps) and next(iter(seqs)).dim != d:
+        return state.set(node, next(iter(seqs)), "views.cat")
+    state.set(node, WHOLE, "views.cat")
+
+
+@register(operator.getitem)
+def getitem(state, node, split):
+    p = state.get(node.args[0])
+    state.set(node, p[node.args[1]] if isinstance(p, tuple) else WHOLE, "getitem")
+
+
+@register(aten._assert_tensor_metadata)
+def metadata(state, node, split):
+    state.set(node, WHOLE, "metadata")
+

@@ -1,0 +1,187 @@
+"""Context-parallel rules for the ops that compute: matmuls, embeddings, norms, reductions,
+softmax, the loss and attention (the table and the preconditions: ``rules``)."""
+from __future__ import annotations
+
+import torch
+
+from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq
+from fxmegatron.passes.context_parallel.registry import no_rule, register, sum_partials
+from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val
+
+aten = torch.ops.aten
+
+
+def _batch_dim(state, node, x, out_dim_of, what):
+    """The sequence of input ``x`` as a batch dim of the output (``out_dim_of(dim)``), or a
+    refusal when the op contracts it."""
+    s = state.placed(x)
+    if not (isinstance(s, Seq) and s.split):
+        return None
+    d = out_dim_of(s.dim)
+    if d is None:
+        state.fail(node, f"contracts the sequence ({s} of {x.name}) in {what}")
+    return s.at(d)
+
+
+@register(aten.linear)
+def linear(state, node, split):
+    """x·Wᵀ (+ b): the sequence is one of x's leading dims; W and b must not hold it."""
+    sum_partials(state, node)
+    x = node.args[0]
+    nd = val(x).ndim
+    s = _batch_dim(state, node, x, lambda d: d if d < nd - 1 else None, "a linear layer's input features")
+    if any(state.split(a) for a in node.args[1:3] if a is not None):
+        state.fail(node, "has a weight or bias split along the sequence")
+    if s is None:
+        return no_rule(state, node, split)
+    state.set(node, s, "matmul.linear")
+
+
+@register(aten.mm, aten.addmm, aten.bmm, aten.matmul)
+def matmul(state, node, split):
+    """a·b: the sequence in a's rows (or a batch dim) with b whole, or in b's columns with a
+    whole; never in the contracted dim."""
+    sum_partials(state, node)
+    pk = packet(node)
+    a, b = node.args[1:3] if pk is aten.addmm else node.args[:2]
+    va, vb, out = val(a), val(b), val(node)
+    sa, sb = state.placed(a), state.placed(b)
+    split_a, split_b = isinstance(sa, Seq) and sa.split, isinstance(sb, Seq) and sb.split
+    if not (split_a or split_b):
+        return no_rule(state, node, split)
+    if split_a and split_b:
+        state.fail(node, f"multiplies two tensors that both hold this rank's chunks ({sa}, {sb}): attention "
+                         "written out as matmuls has no context-parallel form; use scaled_dot_product_attention")
+    if split_a:
+        s = _batch_dim(state, node, a, lambda d: d + out.ndim - va.ndim if d != va.ndim - 1 else None, "a·b")
+    else:
+        s = _batch_dim(state, node, b, lambda d: d + out.ndim - vb.ndim if d != vb.ndim - 2 or vb.ndim == 1
+                       else None, "a·b")
+        if vb.ndim >= 3 and sb.dim < vb.ndim - 2:
+            state.fail(node, "has the sequence in a batch dim of its second operand")
+    if pk is aten.addmm and isinstance(node.args[0], torch.fx.Node):
+        state.take_aligned(node.args[0], node, s, out)
+    state.set(node, s, "matmul")
+
+
+@register(aten.embedding)
+def embedding(state, node, split):
+    """A lookup of this rank's ids: the ids' dims lead the output's."""
+    ids = node.args[1]
+    s = state.placed(ids)
+    if isinstance(s, Seq) and s.split:
+        return state.set(node, s, "embedding")
+    if split:
+        state.fail(node, "looks up a table that holds this rank's chunks")
+    state.set(node, s.at(s.dim) if isinstance(s, Seq) else WHOLE, "embedding")
+
+
+@register(aten.layer_norm, aten.rms_norm)
+def layer_norm(state, node, split):
+    """Normalises the last len(normalized_shape) dims: the sequence must not be one of them."""
+    sum_partials(state, node)
+    x = node.args[0]
+    s = state.placed(x)
+    if not isinstance(s, Seq):
+        return no_rule(state, node, split)
+    nd = val(x).ndim
+    if s.dim >= nd - len(node.args[1]):
+        if split:
+            state.fail(node, f"normalises over the sequence ({s})")
+        return state.set(node, WHOLE, "norms")
+    for a in node.args[2:4]:
+        if isinstance(a, torch.fx.Node) and state.split(a):
+            state.fail(node, "has a weight split along the sequence")
+    state.set(node, s, "norms")
+
+
+@register(aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax)
+def softmax(state, node, split):
+    """A softmax along another dim than the sequence."""
+    sum_partials(state, node)
+    s = state.placed(node.args[0])
+    if not isinstance(s, Seq):
+        return no_rule(state, node, split)
+    if norm(node.args[1], val(node).ndim) == s.dim:
+        if split:
+            state.fail(node, f"is a softmax over the sequence ({s})")
+        return state.set(node, WHOLE, "softmax")
+    state.set(node, s, "softmax")
+
+
+_MEANS = {aten.mean}
+
+
+@register(aten.sum, aten.mean, aten.amax, aten.amin)
+def reduction(state, node, split):
+    """A reduction over other dims keeps the sequence (shifted for dropped dims); a sum or
+    mean over the sequence leaves each rank a partial sum (a mean's share divided by cp:
+    every rank holds the same number of positions)."""
+    sum_partials(state, node)
+    x = node.args[0]
+    s = state.placed(x)
+    if not isinstance(s, Seq):
+        return no_rule(state, node, split)
+    nd = val(x).ndim
+    dims = arg(node, 1, "dim", None)
+    dims = list(range(nd)) if dims is None or dims == [] else [norm(d, nd) for d in
+                                                                 ([dims] if isinstance(dims, int) else dims)]
+    keep = bool(arg(node, 2, "keepdim", False))
+    if s.dim in dims:
+        if not split:
+            return state.set(node, WHOLE, "reductions")
+        if packet(node) not in (aten.sum, aten.mean):
+            state.fail(node, f"takes a {packet(node)} over the sequence ({s})")
+        if packet(node) in _MEANS:
+            state.plan.mean_divisor[node] = state.plan.cp
+        return state.set(node, PARTIAL, "reductions.partial")
+    state.set(node, s.at(s.dim if keep else s.dim - sum(1 for d in dims if d < s.dim)), "reductions")
+
+
+@register(aten.cross_entropy_loss, aten.nll_loss)
+def cross_entropy(state, node, split):
+    """Over [N, V] logits with N the (flattened) sequence and targets taken alike. Mean
+    (over counted targets) becomes this rank's sum over the count on all cp ranks; sum
+    stays a partial sum; none keeps the sequence."""
+    sum_partials(state, node)
+    logits, target = node.args[:2]
+    s = state.placed(logits)
+    if not (isinstance(s, Seq) and s.split):
+        return no_rule(state, node, split)
+    if val(logits).ndim != 2 or s.dim != 0:
+        state.fail(node, f"is a loss over logits {tuple(val(logits).shape)} with the sequence at {s}: "
+                         "context parallelism needs [tokens, classes]")
+    if not state.split(target):
+        state.take_aligned(target, node, Seq(0, s.inner), val(target))     # CE: target dim 0 is logits dim 0
+    reduction = arg(node, 3, "reduction", 1)
+    if reduction == 0:
+        return state.set(node, s, "loss")
+    if reduction == 1:
+        if arg(node, 2, "weight", None) is not None:
+            state.fail(node, "is a class-weighted mean: its divisor is a sum of weights, not a count")
+        state.plan.mean_losses[node] = arg(node, 4, "ignore_index", -100)
+    state.set(node, PARTIAL, "loss.partial")
+
+
+@register(aten.scaled_dot_product_attention)
+def attention(state, node, split):
+    """Causal or full attention over q, k, v split along the sequence (dim -2); the keys and
+    values of the other ranks come by ``cp_attention``."""
+    q, k, v = node.args[:3]
+    ps = [state.placed(a) for a in (q, k, v)]
+    if not any(isinstance(p, Seq) and p.split for p in ps):
+        return no_rule(state, node, split)
+    for a, p in zip((q, k, v), ps):
+        nd = val(a).ndim
+        if not (isinstance(p, Seq) and p.split and p.dim == nd - 2 and p.inner == 1):
+            state.fail(node, f"reads {a.name} as {p}: context-parallel attention needs q, k and v split along "
+                             "the sequence (dim -2)")
+    mask = arg(node, 3, "attn_mask", None)
+    if mask is not None:
+        state.fail(node, f"has an attention mask ({mask.name}): context-parallel attention runs causal or full "
+                         "attention only (a padding mask or a sliding window has no context-parallel form yet)")
+    if arg(node, 4, "dropout_p", 0.0):
+        state.fail(node, "has attention dropout")
+    state.plan.attention.append(node)
+    state.set(node, ps[0], "attention")
+
