@@ -73,3 +73,27 @@ def _graphs(pm):
     if pm.program.pipeline is None:
         return [pm.graph_module]
     return list(pm.program.pipeline.stage.modules.values())
+
+
+def cp_families(rank, world, names, steps=2):
+    """Each family at cp=world: (worst loss error, worst gradient error) over ``steps`` AdamW
+    steps next to the unmodified model, or the refusal's message."""
+    import fxmegatron
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxmegatron.errors import ShardingError
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    out = {}
+    for name in names:
+        model = build(name)
+        try:
+            pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, masked_batch(name, 0))
+        except ShardingError as exc:
+            out[name] = str(exc)
+            continue
+        r = side_by_side(pm, copy.deepcopy(model), lambda i: masked_batch(name, i), steps,
+                         step=lambda pm, b: pm.train_step(b), local_only=True)
+        out[name] = (max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["losses_ref"])),
+                     max(r["grad_err"].values()))
+    return out

@@ -104,7 +104,10 @@ def _view_result(state, node, split, s, why):
     state.set(node, s, "views")
 
 
-@register(aten.view, aten.reshape, aten._unsafe_view, aten.expand)
+_SIZED = (aten.view, aten.reshape, aten._unsafe_view, aten.expand)     # take the output sizes as arg 1
+
+
+@register(aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.flatten)
 def reshape(state, node, split):
     if _partial(state, node):
         return state.set(node, PARTIAL, "views.partial")
@@ -118,7 +121,7 @@ def reshape(state, node, split):
         r = s.at(s.dim + lead)
     else:
         r = seq_through_view(tuple(x.shape), s, tuple(val(node).shape), state.plan.seq)
-    if r is not None and r.split:
+    if r is not None and r.split and packet(node) in _SIZED:
         state.plan.sizes[node] = (1, r.dim)
     _view_result(state, node, split, r, f"reshapes {tuple(x.shape)} to {tuple(val(node).shape)}, which cuts "
                                         f"the sequence ({s}) apart")
@@ -182,6 +185,39 @@ def pieces(state, node, split):
         return state.set(node, (WHOLE,) * n, "views.pieces")
     r = s.at(s.dim - 1) if packet(node) is aten.unbind and d < s.dim else s
     state.set(node, (r,) * n, "views.pieces")
+
+
+@register(aten.stack)
+def stack(state, node, split):
+    """Tensors split alike, stacked along a new dim (interleaved rotary: GPT-J, Cohere)."""
+    sum_partials(state, node)
+    parts = node.args[0]
+    ps = [state.placed(a) for a in parts]
+    nd = val(node).ndim
+    d = norm(arg(node, 1, "dim", 0), nd)
+    if len(set(ps)) == 1 and isinstance(ps[0], Seq):
+        s = ps[0]
+        return state.set(node, s.at(s.dim + (1 if d <= s.dim else 0)), "views.stack")
+    if split:
+        state.fail(node, f"stacks {[str(p) for p in ps]}: only tensors split alike")
+    state.set(node, WHOLE, "views.stack")
+
+
+@register(aten.index)
+def index(state, node, split):
+    """x[..., idx, ...] with one whole index tensor at another dim than the sequence (Falcon's
+    per-head k/v selection); the dim keeps its place."""
+    sum_partials(state, node)
+    s = _seq_of(state, node, split)
+    if s is None:
+        return no_rule(state, node, split)
+    idx = [(i, t) for i, t in enumerate(node.args[1]) if t is not None]
+    ok = (len(idx) == 1 and idx[0][0] != s.dim and isinstance(idx[0][1], torch.fx.Node)
+          and not state.split(idx[0][1]) and val(idx[0][1]).ndim == 1)
+    if not ok:
+        return _view_result(state, node, split, None, f"indexes {s} with {node.args[1]}: only one whole 1-D index "
+                                                     "at another dim than the sequence")
+    state.set(node, s, "views.index")
 
 
 @register(aten.cat)

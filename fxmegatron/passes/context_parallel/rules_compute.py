@@ -37,13 +37,13 @@ def linear(state, node, split):
     state.set(node, s, "matmul.linear")
 
 
-@register(aten.mm, aten.addmm, aten.bmm, aten.matmul)
+@register(aten.mm, aten.addmm, aten.bmm, aten.matmul, aten.baddbmm)
 def matmul(state, node, split):
     """a·b: the sequence in a's rows (or a batch dim) with b whole, or in b's columns with a
     whole; never in the contracted dim."""
     sum_partials(state, node)
     pk = packet(node)
-    a, b = node.args[1:3] if pk is aten.addmm else node.args[:2]
+    a, b = node.args[1:3] if pk in (aten.addmm, aten.baddbmm) else node.args[:2]
     va, vb, out = val(a), val(b), val(node)
     sa, sb = state.placed(a), state.placed(b)
     split_a, split_b = isinstance(sa, Seq) and sa.split, isinstance(sb, Seq) and sb.split
@@ -59,7 +59,7 @@ def matmul(state, node, split):
                        else None, "a·b")
         if vb.ndim >= 3 and sb.dim < vb.ndim - 2:
             state.fail(node, "has the sequence in a batch dim of its second operand")
-    if pk is aten.addmm and isinstance(node.args[0], torch.fx.Node):
+    if pk in (aten.addmm, aten.baddbmm) and isinstance(node.args[0], torch.fx.Node):
         state.take_aligned(node.args[0], node, s, out)
     state.set(node, s, "matmul")
 
