@@ -102,3 +102,14 @@ def test_preconditions_on_the_graph():
     assert grouped_kv(gm) == 0
     gm, out = sdpa_graph(0, repeat=1)          # nothing repeated
     assert grouped_kv(gm) == 0
+
+
+def test_the_causal_check_runs_in_row_blocks_and_sees_every_block():
+    from fxmegatron.passes.attention_rewrites import is_causal_value as is_causal
+    tril = torch.ones(16, 16, dtype=torch.bool).tril()
+    assert is_causal(tril[None, None], 16, 16, rows=4)
+    assert is_causal(torch.zeros(16, 16).masked_fill(~tril, float("-inf")), 16, 16, rows=4)
+    for i, j in [(13, 14), (13, 2), (0, 1)]:           # a wrong entry in the last, and in the first block
+        bad = tril.clone()
+        bad[i, j] = not bad[i, j]
+        assert not is_causal(bad, 16, 16, rows=4), (i, j)

@@ -13,8 +13,8 @@ buffer and no random op (so it is one constant for the traced shapes); evaluated
 the CPU, it is exactly "query i sees key j iff j <= i" for every batch row and head (a bool
 mask, or a float mask of 0 and -inf), with as many queries as keys. Then
 ``attn_mask=..., is_causal=False`` becomes ``attn_mask=None, is_causal=True``: the same
-function, proven on the values. A mask larger than ``MAX_MASK_ELEMENTS`` is not evaluated
-and stays.
+function, proven on the values. A mask larger than ``MAX_MASK_ELEMENTS`` (past 128k tokens)
+is not evaluated and stays.
 
 ``grouped_kv`` — precondition: keys and values are each ``reshape(expand(unsqueeze(x, 2),
 [B, Hkv, r, S, D]), [B, Hkv·r, S, D])`` of a [B, Hkv, S, D] tensor with the same r, the
@@ -30,7 +30,7 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-MAX_MASK_ELEMENTS = 1 << 28
+MAX_MASK_ELEMENTS = 1 << 34      # a 128k-token mask: 16 GiB of bools, evaluated once
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
@@ -82,15 +82,24 @@ def _constant_value(mask: fx.Node) -> Optional[torch.Tensor]:
     return env[mask]
 
 
-def _is_causal_value(m: torch.Tensor, q_len: int, k_len: int) -> bool:
+def is_causal_value(m: torch.Tensor, q_len: int, k_len: int, rows: int = 4096) -> bool:
+    """Whether ``m`` is the causal mask, checked in blocks of ``rows`` queries (a 128k-token
+    mask holds 2^34 entries: no whole-size reference beside it)."""
     if m.dim() < 2 or q_len != k_len or tuple(m.shape[-2:]) != (q_len, k_len):
         return False
-    tril = torch.ones(q_len, k_len, dtype=torch.bool).tril()
-    if m.dtype == torch.bool:
-        return bool((m == tril).all())
-    if m.is_floating_point():
-        return bool(((m == 0) == tril).all() and torch.isneginf(m[..., ~tril]).all())
-    return False
+    if m.dtype != torch.bool and not m.is_floating_point():
+        return False
+    keys = torch.arange(k_len)
+    for i in range(0, q_len, rows):
+        block = m[..., i:i + rows, :]
+        tril = keys[None, :] <= torch.arange(i, i + block.shape[-2])[:, None]
+        if m.dtype == torch.bool:
+            ok = bool((block == tril).all())
+        else:
+            ok = bool(((block == 0) == tril).all() and torch.isneginf(block[..., ~tril]).all())
+        if not ok:
+            return False
+    return True
 
 
 def causal_mask(gm: fx.GraphModule) -> int:
@@ -109,7 +118,7 @@ def causal_mask(gm: fx.GraphModule) -> int:
         key = (mask, q.shape[-2], k.shape[-2])
         if key not in verdicts:
             value = _constant_value(mask)
-            verdicts[key] = value is not None and _is_causal_value(value, q.shape[-2], k.shape[-2])
+            verdicts[key] = value is not None and is_causal_value(value, q.shape[-2], k.shape[-2])
         if not verdicts[key]:
             continue
         _set(n, attn_mask=None, is_causal=True)
