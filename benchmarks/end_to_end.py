@@ -4,7 +4,7 @@ Every layout trains the same model (the bundled GPT, or an unmodified Hugging Fa
 on the same synthetic batch with the same optimizer, one layout after the other in one
 process group:
 
-    python benchmarks/end_to_end.py --model gpt1.3b --layouts eager,compile,fx,fx-fuse        # one GPU
+    python benchmarks/end_to_end.py --model gpt1.3b --layouts eager,compile,fx,fx-fuse,fx-fuse-eager  # one GPU
     python benchmarks/end_to_end.py --model hf-llama1b --layouts eager,compile,fx,fx-compile
     torchrun --nproc-per-node 4 benchmarks/end_to_end.py --model gpt6.7b \\
         --layouts native-tp4,fx-tp4,fx-tp2-pp2-v2,fx-pp4-1f1b,fx-pp4-v2,fx-dp2-tp2
@@ -72,12 +72,15 @@ number of processes):
   length, and so the rotary positions, off the embedding's output); HF's attention views
   ``(*input_shape, -1, head_dim)``, so the local heads need no change
   (benchmarks/e2e/hf_builders.py says more).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse|-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-ovN][-nccl|-ce]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device (an HF model as fxmegatron's trainer builds it). tp > 1 turns sequence
   parallelism on (``-nosp``: off); ``-vN`` virtual stages (interleaved 1F1B); ``-mN``
-  microbatches (default: --microbatches, 8, when pp > 1, else 1); ``-fuse``: generated Triton
-  kernels; ``-compile``: each rank's graph (or pipeline chunk) through torch.compile
+  microbatches (default: --microbatches, 8, when pp > 1, else 1); ``-fuse``: "fxmegatron
+  fuse=True + compile", the generated Triton kernels of the elementwise runs called from
+  inside the compiled graph, inductor's kernels for the rest (``-fuse-eager``: fuse=True
+  alone, the rest of the graph eager, as ``-fuse`` once meant); ``-compile``: each rank's
+  graph (or pipeline chunk) through torch.compile
   (``-cgraphs``: its mode "reduce-overhead", CUDA graphs; ``-autotune``:
   "max-autotune-no-cudagraphs"); ``-rsel``/``-rfull``: recomputation; ``-acc32``: gradients
   summed over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-ovN``: sequence
@@ -202,7 +205,9 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--global-batch", type=int)
     ap.add_argument("--microbatches", type=int, default=8, help="microbatches of layouts with pp > 1 and no -mN")
-    ap.add_argument("--layouts", default="eager,compile,fx")
+    ap.add_argument("--layouts", default="eager,compile,fx",
+                    help="a comma list of the layouts above; fx-fuse: fxmegatron fuse=True + compile, "
+                         "fx-fuse-eager: fuse=True with the rest of the graph eager")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1,
@@ -307,6 +312,7 @@ def bench(args, spec, layouts, env, launcher):
     command = f"{launcher} {' '.join(sys.argv)}"
     if lead:
         print_header(command, dev_name, world, dist.get_backend(), spec, args, peak_tflops)
+        print("layouts: " + "; ".join(f"{lay.name}: {lay.label}" for lay in layouts), flush=True)
 
     ref_losses, ref_norm, ref_state = None, None, None
     if args.check:
@@ -326,7 +332,7 @@ def bench(args, spec, layouts, env, launcher):
             runs[lay.name].append(row)
             if lead:
                 print_round(row, lay.name, r, args.rounds)
-    rows = [merge_rounds(runs[lay.name], spec, world, peak_tflops) for lay in layouts]
+    rows = [dict(merge_rounds(runs[lay.name], spec, world, peak_tflops), label=lay.label) for lay in layouts]
 
     failed_check = False
     if lead:

@@ -46,6 +46,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     virtual_stages > 1) over ``microbatches`` per ``train_step``.
     ``fuse``: each run of elementwise ops becomes one generated Triton kernel (forward, and a
     backward that recomputes the run); without CUDA the runs execute as the original ops.
+    With ``compile`` too, each run is one opaque call in the compiled graph that launches
+    those kernels, and inductor generates the kernels of everything else.
     ``tp_comm_overlap``: with sequence parallelism, each all-gather and reduce-scatter runs
     merged with its linears, cut into this many pieces along the batch, so that a piece's
     communication overlaps the previous piece's matmuls (0: off; see
@@ -56,7 +58,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     engines the pieces are the tp ranks' sequence slices instead (a ring that starts
     with the rank's own slice), whatever the number of pieces asked for.
     ``compile``: each rank's graph (or pipeline chunk) goes to torch.compile after the passes
-    (True, or a torch.compile mode string); inductor then generates the kernels.
+    (True, or a torch.compile mode string); inductor then generates the kernels (but the
+    fused runs', with ``fuse=True``).
     Weights come from ``state_dict``, else from the model, else (meta model) are
     initialised shard by shard. ``seed``: for that initialisation and
     for dropout masks (counter-based, keyed by element index: see ``fxmegatron.ops.dropout``).

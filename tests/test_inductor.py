@@ -1,16 +1,21 @@
 """parallelize(compile=True): each rank's graph through torch.compile (inductor on CPU here).
 Equal losses and gradients to the uncompiled graph, dropout included (the key is made
-outside the compiled graph, so a new step does not recompile), and a clear error for
-fuse=True with compile=True."""
+outside the compiled graph, so a new step does not recompile); with fuse=True, each fused
+group one opaque call in the compiled graphs, running fxmegatron's generated kernels."""
 import copy
 
 import pytest
 import torch
 
 import fxmegatron
-from fxmegatron.runtime.torch_compile import CompileError
+from fxmegatron.codegen.fused_chain import FusedChain
+from fxmegatron.codegen.where_kernels_run import kernels_run
 
 from . import models
+
+# the generated kernels run on the tests' CPU tensors (under TRITON_INTERPRET=1, conftest's
+# choice on a machine without CUDA); elsewhere the fused groups run, and compile, as ATen ops
+_KERNELS_RUN = kernels_run(torch.empty(0))
 
 
 def test_compiled_graph_equals_the_uncompiled_one_and_compiles_once():
@@ -37,9 +42,97 @@ def test_compiled_graph_equals_the_uncompiled_one_and_compiles_once():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-def test_compile_and_fuse_together_is_an_error():
-    with pytest.raises(CompileError, match="compile=True, fuse=True"):
-        fxmegatron.parallelize(models.build("gpt"), None, models.batch("gpt"), compile=True, fuse=True)
+def _train(name, model, steps=3, **options):
+    """(loss, full gradients) of ``steps`` steps on different batches (dropout: new masks)."""
+    pm = fxmegatron.parallelize(copy.deepcopy(model), None, models.batch(name), seed=5, **options)
+    out = []
+    for s in range(steps):
+        loss = pm(models.batch(name, seed=s))
+        loss.backward()
+        out.append((loss.item(), {k: g.clone() for k, g in pm.full_grads().items()}))
+        for p in pm.parameters():
+            p.grad = None
+    return out
+
+
+def _count(method, calls):
+    def counted(*args, **kwargs):
+        calls.append(method.__name__)
+        return method(*args, **kwargs)
+    return counted
+
+
+@pytest.mark.parametrize("name,recompute", [("gpt", "none"), ("llama", "none"), ("gpt", "selective"),
+                                            ("llama", "full")])
+def test_fuse_and_compile_together_equal_the_plain_graph(name, recompute, monkeypatch):
+    """fuse=True with compile=True: the fused groups run their generated kernels (the interpreter
+    here) as calls inside the inductor-compiled graph; the losses and gradients are those of
+    the plain graph (counter-based dropout: the kernels draw the unfused masks), one graph per
+    compiled module and no graph break but the dropout key's (made outside the graph)."""
+    from torch._dynamo.utils import counters
+    model = models.build(name, dropout=0.1, n_layer=1)
+    ref = _train(name, model, recompute=recompute)
+    torch._dynamo.reset()
+    counters.clear()
+    ran = []
+    for step in ("forward", "backward"):     # the generated kernels run, called from the compiled graph
+        monkeypatch.setattr(FusedChain, step, _count(getattr(FusedChain, step), ran))
+    got = _train(name, model, recompute=recompute, fuse=True, compile=True)
+    assert {"forward", "backward"} <= set(ran) or not _KERNELS_RUN
+    for (l0, g0), (l1, g1) in zip(ref, got):
+        assert l1 == pytest.approx(l0, rel=1e-5)
+        assert g1.keys() == g0.keys()
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6)
+    assert ref[0][0] != ref[1][0]
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert all("rng_key" in why for why in counters["graph_break"]), dict(counters["graph_break"])
+
+
+@pytest.mark.skipif(not _KERNELS_RUN, reason="CPU tensors run fused groups' ATen ops without TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name,recompute", [("gpt", "none"), ("llama", "full")])
+def test_each_fused_group_is_one_call_in_the_compiled_graphs(name, recompute):
+    """Dynamo's graph holds one ``fxmegatron::fused_forward`` per fused group (recomputed regions'
+    included) and traces none of them; AOTAutograd's backward graph one ``fused_backward``
+    per group, and the forward again for each recomputed one."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fxmegatron.passes.fuse import Fused
+    from fxmegatron.passes.recompute import Recomputed
+    from fxmegatron.runtime.torch_compile import compile_graph
+
+    torch._dynamo.reset()
+    pm = fxmegatron.parallelize(models.build(name, dropout=0.1, n_layer=1), None, models.batch(name),
+                                fuse=True, recompute=recompute)
+    graphs = {"dynamo": [], "forward": [], "backward": []}
+
+    def record(kind):
+        def compiler(g, example_inputs):
+            graphs[kind].append(g)
+            return make_boxed_func(g.forward)
+        return compiler
+    aot = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+
+    def backend(g, example_inputs):
+        graphs["dynamo"].append(g)
+        return aot(g, example_inputs)
+    compile_graph(pm.graph_module, backend=backend)
+    pm(models.batch(name, seed=1)).backward()
+
+    def calls(kind, op):
+        return sum(n.target is op for g in graphs[kind] for m in g.modules() if isinstance(m, torch.fx.GraphModule)
+                   for n in m.graph.nodes)
+    fused = [m for m in pm.graph_module.modules() if isinstance(m, Fused)]
+    recomputed = [f for r in pm.graph_module.modules() if isinstance(r, Recomputed) for f in r.body.modules()
+                  if isinstance(f, Fused)]
+    fwd, bwd = torch.ops.fxmegatron.fused_forward.default, torch.ops.fxmegatron.fused_backward.default
+    assert len(fused) >= 3 and (recompute == "none" or recomputed)
+    assert [len(graphs[k]) for k in graphs] == [1, 1, 1]
+    assert calls("dynamo", fwd) == calls("forward", fwd) == len(fused)
+    assert calls("backward", bwd) == len(fused) and calls("backward", fwd) == len(recomputed)
+    # what the groups compute is not traced into the graph: no rsqrt (Llama's RMSNorm is fused)
+    assert all(n.target is not torch.ops.aten.rsqrt.default for g in graphs["forward"] for n in g.graph.nodes)
 
 
 def test_the_fused_cross_entropy_stays_one_op_in_the_compiled_graph():

@@ -30,6 +30,17 @@ class Layout:
     def world(self):
         return self.dp * self.pp * self.tp
 
+    @property
+    def label(self) -> str:
+        """What the row runs, in words: ``fx-fuse`` is "fxmegatron fuse=True + compile"."""
+        if self.kind != "fx":
+            return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
+                    "native": f"PyTorch-native DTensor TP, tp {self.tp}"}[self.kind]
+        what = "fxmegatron" + (" fuse=True" if self.fuse else "")
+        if self.compile:
+            return what + " + compile" + (f" ({self.compile})" if isinstance(self.compile, str) else "")
+        return what + (", the rest eager" if self.fuse else ", eager")
+
 
 def parse_layout(name: str, pp_microbatches: int) -> Layout:
     """``eager``, ``compile``, ``native-tpN``, ``fx-...`` (see end_to_end.py's docstring), each
@@ -38,7 +49,7 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
     if head not in ("eager", "compile", "native", "fx"):
         raise ValueError(f"layout {name!r}: starts with {head!r}; expected eager, compile, native-tpN or fx[-...]")
     lay = Layout(name, head)
-    m = None
+    m, rest_eager = None, False
     for tok in tokens:
         num = re.fullmatch(r"(tp|pp|dp|v|m|ov)(\d+)", tok)
         if num and (head == "fx" or num.group(1) in ("tp", "m") and (head == "native" or num.group(1) == "m")):
@@ -55,6 +66,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.schedule = tok
         elif head == "fx" and tok == "fuse":
             lay.fuse = True
+        elif head == "fx" and tok == "eager":
+            rest_eager = True
         elif head == "fx" and tok == "compile":
             lay.compile = lay.compile or True
         elif head in ("fx", "compile") and tok in ("cgraphs", "autotune"):
@@ -71,6 +84,13 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.recompute = {"rsel": "selective", "rfull": "full"}[tok]
         else:
             raise ValueError(f"layout {name!r}: unknown part {tok!r} for a {head} layout")
+    # -fuse: the generated kernels inside the compiled graph (parallelize(fuse=True, compile=True));
+    # -fuse-eager: the generated kernels, the rest of the graph eager
+    if rest_eager and (not lay.fuse or lay.compile):
+        raise ValueError(f"layout {name!r}: -eager (the graph eager around the fused kernels) goes with -fuse, "
+                         f"and not with -compile, -cgraphs or -autotune")
+    if lay.fuse and not rest_eager:
+        lay.compile = lay.compile or True
     if head == "native" and not any(t.startswith("tp") for t in tokens):
         raise ValueError(f"layout {name!r}: native needs its tensor-parallel size, e.g. native-tp4")
     lay.m = m if m is not None else (pp_microbatches if lay.pp > 1 else 1)

@@ -153,11 +153,23 @@ class FusedChain:
             plan = self._kernel_plans[key] = (kernel, (mb * nb,), m, n, nb, cfg, mb)
         return plan
 
-    def forward(self, *xs: torch.Tensor) -> List[torch.Tensor]:
+    def new_outputs(self, xs) -> List[torch.Tensor]:
+        """Uninitialised tensors of the shape, dtype and device of the chain's outputs (the
+        fake tensors of ``fxmegatron.codegen.fused_op`` under fake inputs)."""
         full = self._full(xs)
+        return [torch.empty(full.shape, dtype=self._out_dtype(xs), device=full.device) for _ in self.chain.outputs]
+
+    def passed(self, xs, gs, needs: Sequence[bool]) -> Dict[int, int]:
+        """{input i: incoming gradient j} where input i's gradient is gradient j as it is (a
+        residual add) and no kernel need write it."""
+        full = self._full(xs)
+        return {i: self._passed[i] for i in range(len(xs))
+                if needs[i] and i in self._passed and xs[i].shape == full.shape
+                and gs[self._passed[i]].dtype == xs[i].dtype}
+
+    def forward(self, *xs: torch.Tensor) -> List[torch.Tensor]:
         kernel, grid, m, n, nb, (bm, bn, warps), _ = self._kernel_plan(xs, False)
-        outs = [torch.empty(full.shape, dtype=self._out_dtype(xs), device=full.device)
-                for _ in self.chain.outputs]
+        outs = self.new_outputs(xs)
         kernel[grid](*[x.contiguous() for x in xs], *outs, m, n, nb, BM=bm, BN=bn, num_warps=warps)
         return outs
 
@@ -165,10 +177,7 @@ class FusedChain:
                  needs: Optional[Sequence[bool]] = None) -> List[Optional[torch.Tensor]]:
         full = self._full(xs)
         needs = tuple(bool(w) and k != KEY for w, k in zip(needs or [True] * len(xs), self.kinds))
-        # a gradient that is an incoming gradient as it is (a residual add) is that tensor
-        passed = {i: self._passed[i] for i in range(len(xs))
-                  if needs[i] and i in self._passed and xs[i].shape == full.shape
-                  and gs[self._passed[i]].dtype == xs[i].dtype}
+        passed = self.passed(xs, gs, needs)     # such a gradient is that tensor
         needs = tuple(w and i not in passed for i, w in enumerate(needs))
         kernel, grid, m, n, nb, (bm, bn, warps), blocks = self._kernel_plan(xs, True, needs)
         dxs = {}

@@ -14,8 +14,12 @@ rewritten to ``rotate_half(x)`` so that it reads one input.
 
 Each group becomes a ``Fused`` submodule. On CUDA tensors (or under
 ``TRITON_INTERPRET=1``) it runs the generated forward kernel, and in backward a
-kernel that recomputes the chain from the group's inputs. Elsewhere it runs the
-original ATen ops, kept as a GraphModule. The dump writes each group's Triton source.
+kernel that recomputes the chain from the group's inputs. Under torch.compile
+(``parallelize(fuse=True, compile=True)``) it is one call of the custom op
+``fxmegatron::fused_forward`` (``fxmegatron.codegen.fused_op``), which runs the same
+kernels, so that dynamo neither breaks the graph at it nor traces into it and inductor
+compiles the rest. Elsewhere, and in eval mode, it runs the original ATen ops, kept as
+a GraphModule. The dump writes each group's Triton source.
 """
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ import torch.nn as nn
 from fxmegatron.codegen.chain_source import BCAST, FULL, KEY, ROW
 from fxmegatron.codegen.expr import rotate_half
 from fxmegatron.codegen.fused_chain import FusedChain
+from fxmegatron.codegen.fused_op import chain_id, fused_forward
 from fxmegatron.codegen.lower import ELEMENTWISE, lower_nodes
-from fxmegatron.codegen.where_kernels_run import kernels_run
+from fxmegatron.codegen.where_kernels_run import kernels_in_compiled_graph, kernels_run
 from fxmegatron.ops.dropout import counter_dropout, dropout_off, rng_key
 from fxmegatron.passes.outline import boundary, outline
 
@@ -46,12 +51,21 @@ class Fused(nn.Module):
         self.kinds = list(kinds)
         self.label = label
         self.kernel = FusedChain(chain, kinds, shapes)
+        self.chain_id = chain_id(self.kernel)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.chain_id = chain_id(self.kernel)       # a copy (deepcopy) has a chain of its own
 
     def forward(self, *xs):
         # eval mode: the fallback's dropouts read the key and do nothing; the kernel would draw
-        if kernels_run(xs[0]) and not any(k == KEY and dropout_off(x) for k, x in zip(self.kinds, xs)):
+        if any(k == KEY and dropout_off(x) for k, x in zip(self.kinds, xs)):
+            return self.fallback(*xs)
+        if kernels_run(xs[0]):
             out = self.kernel.apply(*xs)
             return out if isinstance(out, tuple) else (out,)
+        if kernels_in_compiled_graph(xs[0]):        # one opaque call for dynamo, our kernels in it
+            return tuple(fused_forward(list(xs), self.chain_id))
         return self.fallback(*xs)
 
     def source(self) -> str:

@@ -6,6 +6,12 @@ its elementwise and reduction runs around the matmuls. The graph's collectives a
 torch.library ops with fake implementations, so they stay in the compiled graph as
 calls, in the order the passes put them.
 
+With ``fuse=True`` too, each fused elementwise group stays one call as well
+(``fxmegatron::fused_forward``, and ``fused_backward`` in the backward graph:
+``fxmegatron.codegen.fused_op``): its generated Triton kernels run inside the compiled
+graph, and inductor generates the kernels of the rest (matmuls' neighbours, norms,
+softmax, the groups fuse left alone).
+
 Every collective's autograd Function returns a new tensor, never a view of its input:
 under compile on CUDA, sequence parallelism's split (a narrow view) once gave its input a
 zero gradient (``benchmarks/compile_tp_check.py`` finds such a parameter).
@@ -33,22 +39,21 @@ def _outside_graph_rng_key():
     return torch._dynamo.disable(rng_key)
 
 
-def compile_graph(gm: fx.GraphModule, mode=None) -> fx.GraphModule:
+def compile_graph(gm: fx.GraphModule, mode=None, backend="inductor") -> fx.GraphModule:
     """``gm`` with its forward compiled by torch.compile (static shapes: microbatches are all
-    the same size). ``mode``: torch.compile's mode (None, "max-autotune-no-cudagraphs", ...).
+    the same size). ``mode``: torch.compile's mode (None, "max-autotune-no-cudagraphs", ...);
+    ``backend``: torch.compile's (the tests record the graphs with their own).
     The module keeps its parameters and names; only ``forward`` changes."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is rng_key:
             n.target = _outside_graph_rng_key()
     gm.recompile()
-    gm.forward = torch.compile(gm.forward, dynamic=False, mode=mode)
+    gm.forward = torch.compile(gm.forward, backend=backend, dynamic=False, mode=mode)
     return gm
 
 
 def check_compile_options(compile, fuse: bool):
-    if compile and fuse:
-        raise CompileError("parallelize(compile=True, fuse=True): choose one. compile hands each rank's graph "
-                           "to inductor, which generates its own fused kernels; fuse=True generates "
-                           "fxmegatron's kernels for the same elementwise runs")
+    """Refuse a ``compile`` that is neither a bool nor a mode string. (``fuse`` composes with
+    it: see the module doc.)"""
     if compile not in (False, True, None) and not isinstance(compile, str):
         raise CompileError(f"parallelize(compile={compile!r}): expected a bool or a torch.compile mode string")
