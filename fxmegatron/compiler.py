@@ -115,7 +115,8 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) ->
                            requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
     if cfg.fuse:
-        passes.append(Pass("fuse", apply_fuse, requires={"local_shapes"}))
+        passes.append(Pass("fuse", lambda gm: apply_fuse(gm, beside_inductor=bool(cfg.compile)),
+                           requires={"local_shapes"}))
     return passes
 
 
