@@ -16,6 +16,7 @@ from fxmegatron.compiler import compile_program
 from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import VerificationError
 from fxmegatron.mesh import mesh_axes, runtime_device
+from fxmegatron.ops.fp8 import check_fp8_device
 from fxmegatron.runtime.model import ParallelModel
 from fxmegatron.verify import verify as check_layout
 
@@ -28,7 +29,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                 fuse: bool = False, compile=False, tp_comm_overlap: int = 0, tp_comm_transport: str = "auto",
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
                 grad_accum_dtype: Optional[torch.dtype] = None, verify: bool = False, min_split: float = 0.5,
-                cp_attention: str = "ring", _chunked: bool = False) -> ParallelModel:
+                cp_attention: str = "ring", precision: str = "bf16", fp8_recipe: str = "tensorwise",
+                fp8_policy="all", _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
     ``mesh``: a torch DeviceMesh with dims named from "dp", "pp", "cp", "tp" (or None: one
@@ -70,6 +72,13 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     ``verify``: before transforming, check the tensor-parallel layout (tp, sequence parallelism,
     recompute) against the model in eager on simulated ranks in this process
     (``fxmegatron.verify``; needs the model's real weights, so use it with a tiny config).
+    ``precision``: "bf16" (default: the model's own dtypes) or "fp8": the matmuls of linear
+    layers, forward and both backward GEMMs, in FP8 with dynamic scales (``fp8_recipe``
+    "tensorwise" or "rowwise", as torchao's recipes); ``fp8_policy`` "all", "attention",
+    "mlp", a list of module-path regexes or an ``FP8Policy``. The LM head, embeddings, norms
+    and the loss stay; weights keep their masters; on CUDA it needs sm_89+, elsewhere the
+    GEMMs are emulated (rounded to FP8, multiplied in fp32); plan.txt says per linear what it
+    runs in and why. The FP8 program does not depend on tp (amaxes are max-reduced over tp).
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
     matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """
@@ -78,10 +87,13 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                          fuse=fuse, compile=compile, tp_comm_overlap=tp_comm_overlap,
                          tp_comm_transport=tp_comm_transport, state_dict=state_dict, seed=seed, verbose=verbose,
                          grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked,
-                         cp_attention=cp_attention)
+                         cp_attention=cp_attention, precision=precision, fp8_recipe=fp8_recipe,
+                         fp8_policy=fp8_policy)
     axes = mesh_axes(mesh)
     cfg.make_schedule(axes["pp"].size)    # a bad layout fails before verify and capture
     device = runtime_device(mesh, model)
+    if cfg.precision == "fp8":
+        check_fp8_device(device)
     if cfg.verify:
         if axes["cp"].size > 1:
             raise VerificationError("parallelize(verify=True) simulates tp, pp and dp ranks; context parallelism "

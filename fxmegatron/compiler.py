@@ -23,6 +23,7 @@ from fxmegatron.passes.context_parallel import apply_context_parallel
 from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
+from fxmegatron.passes.fp8 import apply_fp8
 from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.pipeline_split import split_pipeline
@@ -110,6 +111,12 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) ->
              requires={"tp_rewritten"}),
         Pass("check_local_shapes", check_local_shapes, ensures={"local_shapes"}),
     ]
+    if cfg.precision == "fp8":
+        # on local shapes (the alignment check sees each rank's GEMMs) and the rewrite's placements
+        # (which dim the ranks split: the amax reductions); before recompute and fuse
+        group = TP_AXIS if tp.size > 1 else ""
+        passes.append(Pass("fp8", lambda gm: apply_fp8(gm, cfg.fp8_policy, cfg.fp8_recipe, group),
+                           requires={"local_shapes"}, ensures={"fp8"}))
     if cfg.tp_comm_overlap and tp.size > 1:
         passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
                            requires={"local_shapes"}))

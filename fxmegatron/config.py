@@ -7,16 +7,21 @@ compiler's list of passes. ``parallelize``'s docstring says what each option doe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from fxmegatron.errors import ShardingError
+from fxmegatron.errors import PrecisionError, ShardingError
+from fxmegatron.ops.fp8 import recipe_of
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
+from fxmegatron.passes.fp8 import FP8Policy
 from fxmegatron.passes.recompute import RecomputePolicy
 from fxmegatron.runtime.grad_accumulation import check_grad_accum_dtype
 from fxmegatron.runtime.torch_compile import check_compile_options
 from fxmegatron.schedules import Schedule, ScheduleError, make_schedule
+
+
+PRECISIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,9 @@ class ParallelConfig:
     min_split: float = 0.5
     chunked: bool = False      # build the pipeline form at pp=1 (stage folders need it)
     cp_attention: str = "ring"
+    precision: str = "bf16"
+    fp8_recipe: str = "tensorwise"
+    fp8_policy: Union[str, Sequence[str], FP8Policy] = "all"
 
     def __post_init__(self):
         check_compile_options(self.compile, self.fuse)
@@ -56,6 +64,17 @@ class ParallelConfig:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ScheduleError(f"microbatches={self.microbatches}: must be >= 1")
         RecomputePolicy.of(self.recompute)     # an unknown mode names itself here
+        if self.precision not in PRECISIONS:
+            raise PrecisionError(f"parallelize(precision={self.precision!r}): expected one of {PRECISIONS}")
+        if self.precision == "fp8":
+            recipe_of(self.fp8_recipe)                                   # an unknown recipe names itself
+            object.__setattr__(self, "fp8_policy", FP8Policy.of(self.fp8_policy))
+            if self.tp_comm_overlap:
+                raise PrecisionError("parallelize(precision='fp8', tp_comm_overlap=...): the merged linears of "
+                                     "tp_comm_overlap have no FP8 form yet: use one or the other")
+            if self.verify:
+                raise PrecisionError("parallelize(precision='fp8', verify=True): verify compares with the model in "
+                                     "eager, which runs no FP8: verify the layout without fp8")
         if self.cp_attention not in ("ring", "allgather"):
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:

@@ -77,3 +77,8 @@ class TrainingError(FxMegatronError, RuntimeError):
 
 class ExportError(FxMegatronError, RuntimeError):
     """A checkpoint that cannot be written back as a Hugging Face folder."""
+
+
+class PrecisionError(FxMegatronError, ValueError):
+    """A low-precision (FP8) option that does not fit: an unknown recipe or policy, a policy
+    that selects no linear layer, a GPU without FP8 matmuls."""

@@ -10,6 +10,7 @@ import torch.fx as fx
 from fxmegatron.capture import module_path
 from fxmegatron.ops.collectives import COLLECTIVES
 from fxmegatron.ops.context_parallel import CP_COLLECTIVES, attention_steps
+from fxmegatron.ops.fp8 import FP8_COLLECTIVES, GROUP_ARG
 from fxmegatron.ops.overlapped_linear import OVERLAPPED_COLLECTIVES
 from fxmegatron.ops.vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
 
@@ -26,6 +27,8 @@ def collective_nodes(gm: fx.GraphModule):
             out.append((n, OVERLAPPED_COLLECTIVES[n.target][0]))
         elif n.target in CP_COLLECTIVES:
             out.append((n, CP_COLLECTIVES[n.target][0]))
+        elif n.target in FP8_COLLECTIVES and n.args[GROUP_ARG]:     # "": no tp group, nothing to reduce
+            out.append((n, FP8_COLLECTIVES[n.target][0]))
         elif n.target in VOCAB_PARALLEL_COLLECTIVES:
             out.append((n, "vocab_parallel_cross_entropy[" + ",".join(VOCAB_PARALLEL_COLLECTIVES[n.target]) + "]"))
     return out
@@ -59,6 +62,8 @@ def placement_table(gm: fx.GraphModule) -> str:
         note = n.meta.get("tp_decision") or ""
         if n.meta.get("recompute"):
             note = (note + " " if note else "") + f"[recompute: {n.meta['recompute']}]"
+        if n.meta.get("fp8"):
+            note = (note + " " if note else "") + f"[{n.meta['fp8']}]"
         rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(n.meta.get("placement")),
                      n.meta.get("tp_rule", ""), n.meta.get("cp_placement", ""), _shape(n.meta.get("val")),
                      module_path(n), note))
@@ -105,6 +110,11 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
         for n in gm.graph.nodes:
             if "tp_decision" in n.meta:
                 f.write(f"{n.name:24s} {module_path(n):40s} {n.meta['tp_decision']}\n")
+        fp8 = [n for n in gm.graph.nodes if "fp8" in n.meta]
+        if fp8:
+            f.write("\n# precision of the linear layers (the fp8 pass: FP8, or what they keep and why)\n")
+            for n in fp8:
+                f.write(f"{n.name:24s} {module_path(n):40s} {n.meta['fp8']}\n")
         f.write("\n# parameters\n")
         for n in gm.graph.nodes:
             if n.op == "get_attr" and "placement" in n.meta:
