@@ -94,11 +94,12 @@ def slowest_rank(times, dev):
     return t.tolist()
 
 
-def run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True):
-    """Build ``lay``, run --warmup and --steps timed steps (and a profiled one); returns its row."""
+def run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True, builders=None):
+    """Build ``lay`` (with ``builders[lay.kind]``, default ``BUILDERS``), run --warmup and --steps
+    timed steps (and a profiled one); returns its row."""
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
-    job = BUILDERS[lay.kind](lay, spec, dev, dtype, batch, meshes=meshes, ref_state=ref_state)
+    job = (builders or BUILDERS)[lay.kind](lay, spec, dev, dtype, batch, meshes=meshes, ref_state=ref_state)
     build_s = time.perf_counter() - t0
     gc.collect()
     if dev.type == "cuda":
@@ -158,14 +159,14 @@ def run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflop
     return row
 
 
-def run_guarded(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True):
+def run_guarded(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True, builders=None):
     """run_layout, with every rank learning whether any rank failed."""
     rank = dist.get_rank()
     row, err, tb = None, None, None
     if args.hang_dump:     # a layout that hangs (in a collective, say) shows where, every rank
         faulthandler.dump_traceback_later(args.hang_dump, exit=False)
     try:
-        row = run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile)
+        row = run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile, builders)
     except Exception as exc:    # noqa: BLE001 -- an OOM or a framework error becomes an "error" row
         err = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
         tb = traceback.format_exc()

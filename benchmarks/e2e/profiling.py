@@ -115,6 +115,9 @@ def breakdown(trace_events) -> Optional[Dict[str, float]]:
             "compute_ms": length(by_class["compute"]) * ms,
             "exposed_comm_ms": length(minus(by_class["collective"], by_class["compute"])) * ms,
             "bubble_ms": length(minus(by_class["p2p"], by_class["compute"])) * ms,
+            # any NCCL kernel and no compute: what benchmarks/context_parallel.py reports, where P2P
+            # is the attention ring's, not a pipeline's (its collectives and P2P may overlap each other)
+            "exposed_any_comm_ms": length(minus(by_class["collective"] + by_class["p2p"], by_class["compute"])) * ms,
             "idle_ms": ((w1 - w0) - length(every)) * ms,
             "work_ms": dict(sorted(work.items(), key=lambda kv: -kv[1]))}
 
