@@ -72,7 +72,7 @@ number of processes):
   length, and so the rotary positions, off the embedding's output); HF's attention views
   ``(*input_shape, -1, head_dim)``, so the local heads need no change
   (benchmarks/e2e/hf_builders.py says more).
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-ovN][-nccl|-ce]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-fp8|-fp8row][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device (an HF model as fxmegatron's trainer builds it). tp > 1 turns sequence
   parallelism on (``-nosp``: off); ``-vN`` virtual stages (interleaved 1F1B); ``-mN``
@@ -83,7 +83,8 @@ number of processes):
   graph (or pipeline chunk) through torch.compile
   (``-cgraphs``: its mode "reduce-overhead", CUDA graphs; ``-autotune``:
   "max-autotune-no-cudagraphs"); ``-rsel``/``-rfull``: recomputation; ``-acc32``: gradients
-  summed over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-ovN``: sequence
+  summed over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-fp8``/``-fp8row``:
+  linear layers' GEMMs in FP8 (``precision="fp8"``, tensorwise / rowwise scales); ``-ovN``: sequence
   parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
   (``tp_comm_overlap=N``; over copy engines, the tp ranks' sequence slices, whatever N),
   moved by the copy engines where the group has symmetric memory

@@ -130,7 +130,8 @@ def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
                                 microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
                                 compile=lay.compile, tp_comm_overlap=lay.overlap,
                                 tp_comm_transport=lay.transport, state_dict=ref_state,
-                                grad_accum_dtype=torch.float32 if lay.fp32_accum else None)
+                                grad_accum_dtype=torch.float32 if lay.fp32_accum else None,
+                                **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}))
     params = list(pm.parameters())
     # pm.clip_grad_norm_(1.0) in two halves: the norm, then the scaling
     return Job(params, lambda: pm.train_step(batch), pm.grad_norm,

@@ -25,6 +25,7 @@ class Layout:
     fp32_accum: bool = False    # parallelize(grad_accum_dtype=torch.float32)
     overlap: int = 0
     transport: str = "auto"
+    fp8: str = ""               # -fp8 / -fp8row: parallelize(precision="fp8", fp8_recipe=tensorwise / rowwise)
 
     @property
     def world(self):
@@ -36,7 +37,7 @@ class Layout:
         if self.kind != "fx":
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
                     "native": f"PyTorch-native DTensor TP, tp {self.tp}"}[self.kind]
-        what = "fxmegatron" + (" fuse=True" if self.fuse else "")
+        what = "fxmegatron" + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
         if self.compile:
             return what + " + compile" + (f" ({self.compile})" if isinstance(self.compile, str) else "")
         return what + (", the rest eager" if self.fuse else ", eager")
@@ -76,6 +77,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.sp = False
         elif head == "fx" and tok == "fadam":
             lay.fadam = True
+        elif head == "fx" and tok in ("fp8", "fp8row"):
+            lay.fp8 = {"fp8": "tensorwise", "fp8row": "rowwise"}[tok]
         elif head == "fx" and tok == "acc32":
             lay.fp32_accum = True
         elif head == "fx" and tok in ("nccl", "ce"):
