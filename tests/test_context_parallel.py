@@ -47,7 +47,7 @@ def test_cp2_three_families(variant):
 
 
 def test_cp4_ring_and_allgather():
-    names = ["gpt", "llama"]
+    names = ["gpt", "llama", "gpt2"]
     per_rank = run_distributed(cp_parity, 4, {"cp": 4}, names, "ring")
     _check(per_rank, names)
     for name in names:      # activations kept for backward fall as 1/cp (whole position tables aside)
@@ -57,13 +57,13 @@ def test_cp4_ring_and_allgather():
 
 
 def test_cp2_with_tp2_and_sequence_parallel():
-    names = ["gpt", "llama"]
+    names = ["gpt", "llama", "gpt2"]
     _check(run_distributed(cp_parity, 4, {"cp": 2, "tp": 2}, names, "ring", 3, 2,
                            {"sequence_parallel": True}), names)
 
 
 def test_cp2_with_pp2_and_dp2():
-    names = ["gpt", "llama"]
+    names = ["gpt", "llama", "gpt2"]
     _check(run_distributed(cp_parity, 4, {"pp": 2, "cp": 2}, names, "ring", 3, 4, {"microbatches": 2}), names)
     _check(run_distributed(cp_parity, 4, {"dp": 2, "cp": 2}, ["llama"], "allgather", 3, 4), ["llama"])
 
