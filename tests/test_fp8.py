@@ -287,3 +287,20 @@ def test_refuses_a_gpu_without_fp8():
     x, w = torch.randn(32, 64, device="cuda"), torch.randn(48, 64, device="cuda")
     with pytest.raises(PrecisionError, match="sm_89"):
         fp8_linear(x, w, None, "tensorwise", "", "")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton cast runs on GPUs only)")
+def test_the_triton_cast_writes_the_eager_casts_bytes():
+    """``fxmegatron.kernels.fp8_cast``: one pass, the same FP8 bytes as clamp-multiply-cast in
+    eager, for both formats, one scale or one per row, a contiguous or a transposed operand."""
+    from fxmegatron.kernels.fp8_cast import cast_fp8
+    from fxmegatron.ops.fp8 import E4M3, E5M2, saturate
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 200, device="cuda", generator=g).to(torch.bfloat16) * 40
+    for t in (x, x.t()):
+        for dtype in (E4M3, E5M2):
+            for inv in (torch.tensor(3.7, device="cuda"), torch.rand(t.shape[0], 1, device="cuda") * 9):
+                got = cast_fp8(t, inv, dtype)
+                want = saturate(t.float() * inv, dtype).contiguous()
+                assert got.is_contiguous() and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
