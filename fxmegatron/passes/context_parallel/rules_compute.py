@@ -76,15 +76,24 @@ def embedding(state, node, split):
     state.set(node, s.at(s.dim) if isinstance(s, Seq) else WHOLE, "embedding")
 
 
+def _sequence_input(state, node, split):
+    """The placement of ``node``'s first input when it holds a sequence; else the op is placed
+    as ``no_rule`` places it and None comes back."""
+    sum_partials(state, node)
+    s = state.placed(node.args[0])
+    if isinstance(s, Seq):
+        return s
+    no_rule(state, node, split)
+    return None
+
+
 @register(aten.layer_norm, aten.rms_norm)
 def layer_norm(state, node, split):
     """Normalises the last len(normalized_shape) dims: the sequence must not be one of them."""
-    sum_partials(state, node)
-    x = node.args[0]
-    s = state.placed(x)
-    if not isinstance(s, Seq):
-        return no_rule(state, node, split)
-    nd = val(x).ndim
+    s = _sequence_input(state, node, split)
+    if s is None:
+        return
+    nd = val(node.args[0]).ndim
     if s.dim >= nd - len(node.args[1]):
         if split:
             state.fail(node, f"normalises over the sequence ({s})")
@@ -98,10 +107,9 @@ def layer_norm(state, node, split):
 @register(aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax)
 def softmax(state, node, split):
     """A softmax along another dim than the sequence."""
-    sum_partials(state, node)
-    s = state.placed(node.args[0])
-    if not isinstance(s, Seq):
-        return no_rule(state, node, split)
+    s = _sequence_input(state, node, split)
+    if s is None:
+        return
     if norm(node.args[1], val(node).ndim) == s.dim:
         if split:
             state.fail(node, f"is a softmax over the sequence ({s})")
@@ -117,12 +125,10 @@ def reduction(state, node, split):
     """A reduction over other dims keeps the sequence (shifted for dropped dims); a sum or
     mean over the sequence leaves each rank a partial sum (a mean's share divided by cp:
     every rank holds the same number of positions)."""
-    sum_partials(state, node)
-    x = node.args[0]
-    s = state.placed(x)
-    if not isinstance(s, Seq):
-        return no_rule(state, node, split)
-    nd = val(x).ndim
+    s = _sequence_input(state, node, split)
+    if s is None:
+        return
+    nd = val(node.args[0]).ndim
     dims = arg(node, 1, "dim", None)
     dims = list(range(nd)) if dims is None or dims == [] else [norm(d, nd) for d in
                                                                  ([dims] if isinstance(dims, int) else dims)]
