@@ -33,6 +33,8 @@ def test_defaults_and_paths():
     assert cfg.data.train == [TINY]
     assert cfg.checkpoint.dir == os.path.join(ROOT, "runs", "train", "checkpoints")
     assert isinstance(cfg.optim.lr, float)
+    cfg = check(base(layout={"cp": 2, "dp": 2}), world=4)       # seq_len 16 = 4 chunks of 4
+    assert cfg.layout.cp == 2 and cfg.layout.cp_attention == "ring"
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -44,7 +46,8 @@ def test_defaults_and_paths():
     (base(layout={"recompute": "al"}), "layout.recompute = 'al' is not one of"),
     (base(optim={"lr": -1.0}), "optim.lr = -1.0 must be >= 0"),
     ({"data": {"train": TINY, "seq_len": 16, "global_batch": 4}}, "run.steps is required"),
-    (base(layout={"cp": 2}), "layout.cp = 2 is not one of 1"),
+    (base(layout={"cp": 0}), "layout.cp = 0 must be >= 1"),
+    (base(layout={"cp": 2, "cp_attention": "p2p"}), "layout.cp_attention = 'p2p' is not one of"),
     (base(data={"train": [TINY, 3]}), "data.train must be a path or a list of paths"),
 ])
 def test_bad_keys_name_the_key(raw, message):
@@ -63,6 +66,7 @@ def test_bad_keys_name_the_key(raw, message):
     (base(model={"kind": "hf", "path": "nowhere"}), 1, "has no config.json"),
     (base(data={"tokenizer": "no_tokenizer_dir"}), 1, "is not a directory"),
     (base(layout={"fuse": True, "compile": True}), 1, "alternatives"),
+    (base(layout={"cp": 3}), 3, "data.seq_len 16 must be divisible by 2 x layout.cp 3 = 6"),
 ])
 def test_bad_layouts_and_files(raw, world, message):
     with pytest.raises(ConfigError) as e:

@@ -185,3 +185,11 @@ def test_llama8b_dry_run_under_30_s():
     assert "8,030,261,248 parameters" in out.stdout
     rss = float(re.search(r"peak RSS of this process: ([\d.]+) GiB", out.stdout).group(1))
     assert wall < 30 and rss < 4, (wall, rss)
+
+
+def test_cp2_halves_the_activations_not_the_parameters():
+    """``plan_run(cp=2)`` plans cp rank 0's graph: its two chunks of the sequence."""
+    one, cp2 = (plan_run(gpt(), gpt_batch(), cp=cp, device="cpu") for cp in (1, 2))
+    assert cp2.stages[0].params == one.stages[0].params
+    assert 0.4 < cp2.stages[0].activation_bytes / one.stages[0].activation_bytes < 0.6
+    assert "dp 1 × pp 1 × cp 2 × tp 1 = 2 ranks" in cp2.format()

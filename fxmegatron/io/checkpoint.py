@@ -1,6 +1,7 @@
 """Sharded checkpoints: one safetensors file per (pp, tp) shard plus a JSON index.
 
-* **Sharded**: each rank of data-parallel replica 0 writes the parameters (and
+* **Sharded**: each rank of data-parallel replica 0 (and context-parallel rank 0:
+  the cp ranks of a (pp, tp) place hold the same parameters) writes the parameters (and
   AdamW moments) it holds, as they are, with how they are split recorded in the
   file's metadata. Nothing is gathered on one rank.
 * **Atomic**: files go to ``DIR.tmp``. ``index.json`` is written last, and the
@@ -70,7 +71,7 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    if pm.dp_rank == 0:
+    if pm.dp_rank == 0 and getattr(pm, "cp_rank", 0) == 0:
         tensors, meta = {}, {}
         for name, p in pm.named_parameters():
             key = "model/" + name
@@ -98,7 +99,8 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None) -> None:
         for g in (optimizer.param_groups if optimizer is not None else ()):
             groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"})
         index = {"format": FORMAT,
-                 "layout": {"dp": pm.dp_size, "pp": pm.pp_size, "tp": pm.tp_size},
+                 "layout": {"dp": pm.dp_size, "pp": pm.pp_size, "tp": pm.tp_size,
+                            **({"cp": pm.cp_size} if getattr(pm, "cp_size", 1) > 1 else {})},
                  "files": sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors")),
                  "param_groups": groups,
                  "rng_step": rng[0].step if rng else None,

@@ -2,7 +2,7 @@
 pick the device and backend, start the process group, build the device mesh.
 
     env = init_from_env()                       # RANK, WORLD_SIZE, ... as torchrun sets them
-    mesh = make_mesh(env, dp=1, pp=2, tp=2)     # a ("dp", "pp", "tp") DeviceMesh
+    mesh = make_mesh(env, dp=1, pp=2, tp=2)     # a ("dp", "pp", "tp") DeviceMesh (cp=: a "cp" dim)
     ...
     dist.destroy_process_group()
 
@@ -79,13 +79,14 @@ def init_from_env(device: str = "auto", backend: Optional[str] = None, env: Opti
     return replace(env, device=dev, backend=backend)
 
 
-def make_mesh(env: Env, dp: Optional[int] = None, pp: Optional[int] = None, tp: Optional[int] = None):
-    """A DeviceMesh on ``env``'s device type with the axes given, in the order dp, pp, tp
+def make_mesh(env: Env, dp: Optional[int] = None, pp: Optional[int] = None, tp: Optional[int] = None,
+              cp: Optional[int] = None):
+    """A DeviceMesh on ``env``'s device type with the axes given, in the order dp, pp, cp, tp
     (``make_mesh(env, pp=2, tp=2)`` has axes ("pp", "tp")). Their product must be the world
     size."""
-    axes = [(name, size) for name, size in (("dp", dp), ("pp", pp), ("tp", tp)) if size is not None]
+    axes = [(name, size) for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)) if size is not None]
     if not axes:
-        raise ValueError("make_mesh: give at least one of dp, pp, tp")
+        raise ValueError("make_mesh: give at least one of dp, pp, cp, tp")
     sizes = [size for _, size in axes]
     product = 1
     for size in sizes:

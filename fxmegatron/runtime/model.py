@@ -46,6 +46,8 @@ class ParallelModel(nn.Module):
         self.tp_size, self.tp_rank = ax["tp"].size, ax["tp"].rank
         self.pp_size, self.pp_rank = ax["pp"].size, ax["pp"].rank
         self.dp_size, self.dp_rank = ax["dp"].size, ax["dp"].rank
+        cp = ax.get("cp")
+        self.cp_size, self.cp_rank = (cp.size, cp.rank) if cp is not None else (1, 0)
         self.microbatches = program.microbatches
         self.graph_module = program.graph_module
         # the first steps check that every tp and pp rank got the same batch (see check_same_batch)

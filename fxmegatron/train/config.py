@@ -91,7 +91,10 @@ KEYS: List[Key] = [
     # ---- layout ----
     _k("layout", "dp", INT, 1, "data-parallel replicas", minimum=1),
     _k("layout", "pp", INT, 1, "pipeline stages", minimum=1),
-    _k("layout", "cp", INT, 1, "context parallelism: not yet (only 1)", choices=(1,)),
+    _k("layout", "cp", INT, 1, "context parallelism: the sequence split over cp ranks (each holds two "
+       "load-balanced chunks of 2·cp; data.seq_len must be divisible by 2·cp; no dropout)", minimum=1),
+    _k("layout", "cp_attention", STR, "ring", "cp > 1: how attention exchanges keys and values, ring (P2P "
+       "around the cp ranks) or allgather", choices=("ring", "allgather")),
     _k("layout", "tp", INT, 1, "tensor-parallel ranks", minimum=1),
     _k("layout", "sequence_parallel", BOOL, False, "norms, dropout and residuals on sequence shards (tp > 1)"),
     _k("layout", "recompute", STR, "none", "activation recomputation", choices=("none", "selective", "full")),
@@ -270,6 +273,9 @@ def check_world(cfg: Config, world: int) -> None:
     if b % (lay.dp * lay.microbatches):
         raise ConfigError(f"{cfg.source}: data.global_batch {b} must be divisible by layout.dp {lay.dp} x "
                           f"layout.microbatches {lay.microbatches} = {lay.dp * lay.microbatches}")
+    if cfg.data.seq_len % (2 * lay.cp):
+        raise ConfigError(f"{cfg.source}: data.seq_len {cfg.data.seq_len} must be divisible by 2 x layout.cp "
+                          f"{lay.cp} = {2 * lay.cp} (each cp rank holds two chunks of the sequence)")
     if lay.sequence_parallel and lay.tp == 1:
         raise ConfigError(f"{cfg.source}: layout.sequence_parallel needs layout.tp > 1")
     if lay.fuse and lay.compile:

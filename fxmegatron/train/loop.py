@@ -26,6 +26,8 @@ H100_BF16_TFLOPS = 989.0
 def layout_line(cfg) -> str:
     lay = cfg.layout
     s = f"dp={lay.dp} pp={lay.pp} tp={lay.tp}"
+    if lay.cp > 1:
+        s = f"dp={lay.dp} pp={lay.pp} cp={lay.cp} tp={lay.tp} ({lay.cp_attention})"
     if lay.pp > 1:
         sched = lay.schedule or ("interleaved" if lay.virtual_stages > 1 else "1f1b")
         s += f" ({sched}, v={lay.virtual_stages})"
@@ -62,7 +64,8 @@ def _evaluate(pm, prep: Prepared, device) -> float:
 def train(prep: Prepared, env: Env, t_start: float) -> int:
     cfg, lay, lead = prep.cfg, prep.cfg.layout, env.lead
     device = env.device
-    mesh = make_mesh(env, dp=lay.dp, pp=lay.pp, tp=lay.tp)
+    # a "cp" dim only when there is context parallelism: cp = 1 builds the mesh it always did
+    mesh = make_mesh(env, dp=lay.dp, pp=lay.pp, cp=lay.cp if lay.cp > 1 else None, tp=lay.tp)
     src = prep.source
     example = prep.batch(prep.train.windows(0), device)
     first = cfg.run.first_step_s
@@ -73,7 +76,8 @@ def train(prep: Prepared, env: Env, t_start: float) -> int:
                                     recompute=lay.recompute, microbatches=lay.microbatches,
                                     virtual_stages=lay.virtual_stages, schedule=lay.schedule or None, fuse=lay.fuse,
                                     compile=lay.compile, tp_comm_overlap=lay.overlap, state_dict=src.state_dict,
-                                    seed=cfg.run.seed, grad_accum_dtype=prep.grad_accum_dtype)
+                                    seed=cfg.run.seed, grad_accum_dtype=prep.grad_accum_dtype,
+                                    cp_attention=lay.cp_attention)
         t_parallelize = time.perf_counter() - t0
         opt = build_optimizer(pm, cfg)
         start = 0
@@ -98,7 +102,7 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
     flops_step = flops_per_token(prep.source.model, cfg.data.seq_len, prep.layers, prep.hidden) * tokens_per_step
     peak = cfg.run.peak_tflops or (H100_BF16_TFLOPS if device.type == "cuda" else 0.0)
     extra = {"model": prep.source.describe, "data": prep.train.state(), "config": cfg.as_dict(),
-             "layout": {"dp": cfg.layout.dp, "pp": cfg.layout.pp, "tp": cfg.layout.tp}}
+             "layout": {"dp": cfg.layout.dp, "pp": cfg.layout.pp, "cp": cfg.layout.cp, "tp": cfg.layout.tp}}
     files = {}
     if cfg.data.kind == "text" and cfg.data.tokenizer != "bytes":
         files["tokenizer"] = cfg.data.tokenizer

@@ -109,6 +109,7 @@ class RunPlan:
     coverage: str
     seconds: float
     notes: List[str] = field(default_factory=list)
+    cp: int = 1                        # context parallelism: activations are cp rank 0's two chunks
 
     @property
     def tied_copies(self) -> int:
@@ -123,13 +124,16 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
              sequence_parallel: bool = False, recompute="none", virtual_stages: int = 1, microbatches: int = 1,
              schedule: Optional[str] = None, param_dtype: Optional[torch.dtype] = None, optimizer: str = "adamw",
              grad_accum_dtype: Optional[torch.dtype] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
-             device: str = "cuda", picture: Optional[str] = None) -> RunPlan:
+             device: str = "cuda", picture: Optional[str] = None, cp: int = 1,
+             cp_attention: str = "ring") -> RunPlan:
     """The plan of a run (module docstring). ``example_global_batch``: one optimizer step's
     batch over all data-parallel ranks (split over dp, then into ``microbatches``, as
     ``parallelize`` splits it). ``param_dtype``: the dtype the parameters train in (the
     model is cast on a copy; None: as it is). ``device``: where the run will be, "cuda" or
     "cpu", which decides the form of the ops whose kernels keep other tensors than their torch
-    form (``plan_memory``). ``picture``: also draw the schedule to this .png or .svg."""
+    form (``plan_memory``). ``picture``: also draw the schedule to this .png or .svg. ``cp``:
+    context parallelism, the graph of cp rank 0 (its two chunks of the sequence; every cp rank
+    holds as much), with ``cp_attention``."""
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
@@ -138,10 +142,12 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     model = _in_dtype(model_on_meta, param_dtype)
     cfg = ParallelConfig(sequence_parallel=sequence_parallel, recompute=recompute, microbatches=microbatches,
                          virtual_stages=virtual_stages, schedule=schedule, blocks_per_chunk=blocks_per_chunk,
-                         grad_accum_dtype=grad_accum_dtype)
+                         grad_accum_dtype=grad_accum_dtype, cp_attention=cp_attention)
     sched = cfg.make_schedule(pp)        # the layout's errors before the capture's seconds
     cap = capture(model, first_microbatch(example_global_batch, microbatches, dp))
     axes = {"tp": Axis(tp, 0, "", tuple(range(tp))), "pp": Axis(pp), "dp": Axis(dp)}
+    if cp > 1:      # cp rank 0's graph: its two chunks of the sequence (every cp rank's alike in size)
+        axes["cp"] = Axis(cp, 0, "", tuple(range(cp)))
     # the compiler's passes on the capture itself (nothing else reads it); no materialisation
     # and no boundary propagation: the activations' run on meta finds the boundaries
     local = PassRunner(rank_passes(cap, axes, cfg))(cap.gm)
@@ -194,7 +200,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
         tied_numel={n: cap.params[n].numel() for n in tied},
         bubble=res.overall_bubble_fraction if res else None, timeline=timeline_text(sched, res) if res else "",
         coverage=local.meta[COVERAGE].summary() if tp > 1 else "",
-        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes))
+        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes), cp=cp)
 
 
 def _in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> nn.Module:
@@ -257,13 +263,14 @@ def _units_label(units: Sequence[str]) -> str:
 
 def _format(p: RunPlan) -> List[str]:
     dt = str(p.param_dtype).replace("torch.", "")
-    world = p.dp * p.pp * p.tp
+    world = p.dp * p.pp * p.cp * p.tp
     sched = (f"schedule {p.schedule}, {p.pp} pipeline ranks × {p.virtual_stages} chunk(s) each"
              if p.schedule else "no pipeline (gradient accumulation)" if p.microbatches > 1 else "no pipeline")
     size = f" ({p.model_params / 1e9:.2f} B)" if p.model_params >= 1e9 else \
         f" ({p.model_params / 1e6:.1f} M)" if p.model_params >= 1e6 else ""
     out = [f"fxmegatron dry-run plan: {p.model}, {p.model_params:,} parameters{size}, {dt}",
-           f"layout: dp {p.dp} × pp {p.pp} × tp {p.tp} = {world} ranks; sequence parallel "
+           f"layout: dp {p.dp} × pp {p.pp} × {f'cp {p.cp} × ' if p.cp > 1 else ''}tp {p.tp} = {world} ranks; "
+           f"sequence parallel "
            f"{'on' if p.sequence_parallel else 'off'}; recompute {p.recompute}; {sched}; "
            f"{p.microbatches} microbatch(es) of {', '.join(p.microbatch)} per dp rank",
            f"optimizer {p.optimizer} ({OPTIMIZER_NOTES[p.optimizer]}); gradients {dt}"
@@ -330,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--llama8b", action="store_true", help="a Llama-3-8B-shaped HF model")
     src.add_argument("--hf-config-json", help="an HF config.json; the causal LM it describes, on meta")
-    for name, default in (("dp", 1), ("pp", 1), ("tp", 1), ("virtual-stages", 1), ("microbatches", 1),
+    for name, default in (("dp", 1), ("pp", 1), ("cp", 1), ("tp", 1), ("virtual-stages", 1), ("microbatches", 1),
                           ("seq", 8192), ("micro-batch-size", 1)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
@@ -355,7 +362,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         model.train()
     rows = a.micro_batch_size * a.microbatches * a.dp
     ids = torch.zeros(rows, a.seq, dtype=torch.long, device="meta")
-    plan = plan_run(model, {"input_ids": ids, "labels": ids}, dp=a.dp, pp=a.pp, tp=a.tp,
+    plan = plan_run(model, {"input_ids": ids, "labels": ids}, dp=a.dp, pp=a.pp, tp=a.tp, cp=a.cp,
                     sequence_parallel=a.sequence_parallel, recompute=a.recompute, virtual_stages=a.virtual_stages,
                     microbatches=a.microbatches, schedule=a.schedule, param_dtype=getattr(torch, a.dtype),
                     optimizer=a.optimizer, grad_accum_dtype=torch.float32 if a.grad_accum_fp32 else None,
