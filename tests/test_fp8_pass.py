@@ -231,3 +231,23 @@ def test_parallelize_names_a_bad_precision_recipe_or_combination():
         fxmegatron.parallelize(model, None, batch, precision="fp8", fp8_recipe="columnwise")
     with pytest.raises(PrecisionError, match="verify"):
         fxmegatron.parallelize(model, None, batch, precision="fp8", verify=True)
+
+
+def test_the_fp8_report_lists_every_fp8_linear_with_its_operands_numbers():
+    """``pm.fp8_report(batch)``: a row per FP8 linear (inside recomputed regions too), the
+    amaxes of x and w as the model has them, and what FP8 does to them: a weight with one
+    huge outlier has most of its entries flushed to zero, which the report shows."""
+    from fxmegatron.runtime.fp8_report import format_report
+    model, batch = models.build("llama", n_layer=1), models.batch("llama")
+    pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, precision="fp8", recompute="full")
+    rows = pm.fp8_report(batch)
+    assert len(rows) == FP8_COUNT["llama"] // 2 and all(r["recipe"] == "tensorwise" for r in rows)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    row = next(r for r in rows if r["module"].endswith("q_proj"))
+    assert row["w"]["amax"] == pytest.approx(q.abs().max().item()) and row["w"]["underflow"] == 0
+    assert 0 < row["w"]["rel_error"] < 0.05 and row["x"]["saturated"] > 0
+    with torch.no_grad():
+        q[0, 0] = 1e6                                   # one outlier sets the tensor's scale
+    pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, precision="fp8")
+    row = next(r for r in pm.fp8_report(batch) if r["module"].endswith("q_proj"))
+    assert row["w"]["underflow"] > 0.5 and "q_proj" in format_report(pm.fp8_report(batch))

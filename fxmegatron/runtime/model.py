@@ -184,6 +184,20 @@ class ParallelModel(nn.Module):
             for mod, training in modes:
                 mod.training = training
 
+    def fp8_report(self, *args, **kwargs) -> List[dict]:
+        """Per FP8 linear (``precision="fp8"``), from one forward of a batch without grad: the
+        amax of its input and weight, the share of each that FP8 flushes to zero or saturates,
+        and the relative error of the dequantised operand (``runtime.fp8_report``;
+        ``format_report`` prints it). Collective over tp, like a forward. Not for a pipelined
+        program."""
+        from fxmegatron.runtime.fp8_report import fp8_report
+        if self.program.pipeline is not None:
+            raise RuntimeError("fp8_report() runs the whole graph on one rank; this program is split into pipeline "
+                               f"stages (pp={self.pp_size})")
+        flat = self._flat(args, kwargs)
+        with self._forward_only():
+            return fp8_report(self.graph_module, flat)
+
     def logits(self, *args, gather: bool = True, **kwargs) -> torch.Tensor:
         """The logits of a batch, forward only, as the unmodified model computes them: the
         tensor its loss reads, before the loss flattens, upcasts or shifts it (the LM head's
