@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from fxmegatron.errors import PrecisionError
-from fxmegatron.kernels.fp8_cast import cast_fp8
+from fxmegatron.kernels.fp8_cast import scaled_cast_fp8
 from fxmegatron.ops.collectives import all_reduce
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -134,12 +134,14 @@ def quantize(x: Tensor, recipe, dtype: torch.dtype = E4M3, group_name: str = "")
     r = recipe_of(recipe)
     x2 = x.reshape(-1, x.shape[-1])
     # the largest |x| in one pass (no |x| tensor): exact in any dtype, a max rounds nothing
-    amax = torch.linalg.vector_norm(x2, float("inf"), dim=1 if r.rowwise else None, keepdim=r.rowwise).float()
+    amax = torch.linalg.vector_norm(x2, float("inf"), dim=1 if r.rowwise else None, keepdim=r.rowwise)
     if group_name:
-        amax = all_reduce(amax, "max", group_name)
-    inv = _inverse_scale(amax, dtype, r.pow2_scales)
-    if x2.is_cuda:       # one pass, read through x2's strides, written row-major
-        return cast_fp8(x2, inv, dtype), inv.reciprocal()
+        amax = all_reduce(amax.float(), "max", group_name)
+    if x2.is_cuda:
+        # one pass, read through x2's strides and written row-major, the scale computed in it
+        # (a power of two from the exponent bits, where the host takes floor(log2))
+        return scaled_cast_fp8(x2, amax, dtype, r.pow2_scales, AMAX_FLOOR)
+    inv = _inverse_scale(amax.float(), dtype, r.pow2_scales)
     return saturate(x2.float() * inv, dtype).contiguous(), inv.reciprocal()
 
 
