@@ -292,35 +292,49 @@ def test_refuses_a_gpu_without_fp8():
 
 
 def _triton_cast_cases(device):
-    from fxmegatron.kernels.fp8_cast import scaled_cast_fp8
+    """(kernel result, eager result) pairs of ``cast_fp8``: one layout, and both (the copy of
+    xᵀ rowwise with the column amaxes), for contiguous and transposed operands."""
+    from fxmegatron.kernels.fp8_cast import cast_fp8
     from fxmegatron.ops.fp8 import AMAX_FLOOR, E4M3, E5M2, _inverse_scale, saturate
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(70, 50, device=device, generator=g).to(torch.bfloat16) * 40
     x[3] = 0                                                    # a zero row: the amax floor
+    x[:, 7] = 0                                                 # a zero column
     for t in (x, x.t()):
         for rowwise, pow2 in ((False, False), (True, True), (True, False), (False, True)):
             for dtype in (E4M3, E5M2):
-                amax = torch.linalg.vector_norm(t, float("inf"), dim=1 if rowwise else None, keepdim=rowwise)
-                got, scale = scaled_cast_fp8(t, amax, dtype, pow2, AMAX_FLOOR)
-                inv = _inverse_scale(amax.float(), dtype, pow2)
-                yield got, scale, saturate(t.float() * inv, dtype).contiguous(), inv.reciprocal()
+                def eager(u, dim):
+                    amax = torch.linalg.vector_norm(u, float("inf"), dim=dim, keepdim=dim is not None)
+                    inv = _inverse_scale(amax.float(), dtype, pow2)
+                    return amax, saturate(u.float() * inv, dtype).contiguous(), inv.reciprocal()
+                amax, want, want_s = eager(t, 1 if rowwise else None)
+                amax_t, want_t, want_st = eager(t.t(), 1 if rowwise else None)
+                got, s, none, _ = cast_fp8(t, amax, dtype, pow2, AMAX_FLOOR)
+                assert none is None
+                yield got, s, want, want_s
+                both = cast_fp8(t, amax, dtype, pow2, AMAX_FLOOR, amax_t=amax_t.view(-1), both=True)
+                yield both[0], both[1], want, want_s
+                yield both[2], both[3], want_t, want_st
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel in Triton's interpreter")
 def test_the_triton_cast_computes_the_hosts_scales():
-    """``fxmegatron.kernels.fp8_cast`` in the interpreter: the scale (max / amax in float64, a
-    power of two from the exponent bits) equals the host's ``_inverse_scale`` exactly. Triton's
-    interpreter (3.9) converts fp32 -> FP8 its own way (some values land a binade off), so
-    the FP8 bytes are checked on a GPU only (the next test)."""
+    """``fxmegatron.kernels.fp8_cast`` in the interpreter: the scales (max / amax in float64, a
+    power of two from the exponent bits) equal the host's ``_inverse_scale`` exactly, for
+    the operand and its transposed copy. Triton's interpreter (3.9) converts fp32 -> FP8 its
+    own way (some values land a binade off), so the FP8 bytes are checked on a GPU only (the
+    next test)."""
     for got, scale, want, want_scale in _triton_cast_cases("cpu"):
-        assert got.is_contiguous() and got.dtype == want.dtype and torch.equal(scale, want_scale)
+        assert got.is_contiguous() and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(scale, want_scale)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton cast runs on GPUs only)")
 def test_the_triton_cast_writes_the_eager_casts_bytes():
     """On a GPU: the same scales and the same FP8 bytes as the eager cast, for both formats,
-    one scale or one per row, powers of two or not, a contiguous or a transposed operand."""
+    one scale or one per row, powers of two or not, a contiguous or a transposed operand, and
+    the transposed copy written in the same pass."""
     for got, scale, want, want_scale in _triton_cast_cases("cuda"):
         assert torch.equal(scale, want_scale)
         assert got.is_contiguous() and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

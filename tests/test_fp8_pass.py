@@ -20,6 +20,7 @@ import fxmegatron.compiler
 from fxmegatron.capture import capture, module_path
 from fxmegatron.errors import PrecisionError
 from fxmegatron.ops.fp8 import fp8_linear
+from fxmegatron.ops.fp8_operands import fp8_linear_q
 from fxmegatron.passes.fp8 import FP8_REPORT, FP8Policy, apply_fp8
 from fxmegatron.passes.pipeline_split import node_flops
 from fxmegatron.passes.runner import check_shapes
@@ -158,7 +159,7 @@ def fp8_program(model, batch, recipe):
 def test_one_step_is_the_hand_written_fp8_model(name, recipe):
     model, batch = model_and_batch(name, seed=1)
     pm = fp8_program(model, batch, recipe)
-    assert sum(1 for n in pm.graph_module.graph.nodes if n.target is fp8_linear) == FP8_COUNT[name]
+    assert sum(1 for n in pm.graph_module.graph.nodes if n.target is fp8_linear_q) == FP8_COUNT[name]
     loss = pm(batch)
     loss.backward()
     grads = pm.full_grads()
@@ -212,9 +213,11 @@ def test_tp2_is_the_world_size_1_program():
             loss1, grads1 = one_step(pm, name)
             scale = 0.01 * max(g.abs().max().item() for g in grads1.values())
             for rank, res in enumerate(per_rank):
-                loss2, grads2, n_fp8, n_amax = res[(name, recipe, sp)]
+                loss2, grads2, n_fp8, n_amax, n_quant, n_quant_amax = res[(name, recipe, sp)]
                 where = (name, recipe, f"sp={sp}", f"rank {rank}")
+                # every linear reduces dy's amaxes, every quantisation its operand's
                 assert n_fp8 == n_amax == FP8_COUNT[name], (where, n_fp8, n_amax)
+                assert n_quant == n_quant_amax > FP8_COUNT[name], (where, n_quant, n_quant_amax)
                 assert abs(loss2 - loss1) <= 1e-5 * abs(loss1), (where, loss2, loss1)
                 bad = {n: e for n, g in grads1.items() if (e := rel_err(grads2[n], g, scale)) > 1e-4}
                 assert not bad, (where, bad)

@@ -10,9 +10,12 @@ import torch.fx as fx
 from fxmegatron.capture import module_path
 from fxmegatron.ops.collectives import COLLECTIVES
 from fxmegatron.ops.context_parallel import CP_COLLECTIVES, attention_steps
-from fxmegatron.ops.fp8 import FP8_COLLECTIVES, GROUP_ARG
+from fxmegatron.ops.fp8 import FP8_COLLECTIVES
+from fxmegatron.ops.fp8_operands import FP8_OPERAND_COLLECTIVES
 from fxmegatron.ops.overlapped_linear import OVERLAPPED_COLLECTIVES
 from fxmegatron.ops.vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
+
+FP8_COMMS = {**FP8_COLLECTIVES, **FP8_OPERAND_COLLECTIVES}
 
 
 def collective_nodes(gm: fx.GraphModule):
@@ -27,8 +30,8 @@ def collective_nodes(gm: fx.GraphModule):
             out.append((n, OVERLAPPED_COLLECTIVES[n.target][0]))
         elif n.target in CP_COLLECTIVES:
             out.append((n, CP_COLLECTIVES[n.target][0]))
-        elif n.target in FP8_COLLECTIVES and n.args[GROUP_ARG]:     # "": no tp group, nothing to reduce
-            out.append((n, FP8_COLLECTIVES[n.target][0]))
+        elif n.target in FP8_COMMS and any(n.args[i] for i in FP8_COMMS[n.target][2]):  # "": no group
+            out.append((n, FP8_COMMS[n.target][0]))
         elif n.target in VOCAB_PARALLEL_COLLECTIVES:
             out.append((n, "vocab_parallel_cross_entropy[" + ",".join(VOCAB_PARALLEL_COLLECTIVES[n.target]) + "]"))
     return out

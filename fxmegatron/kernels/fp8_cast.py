@@ -1,14 +1,22 @@
-"""The FP8 quantiser's cast as one Triton kernel: ``clamp(x · inv, ±max)`` rounded to FP8.
+"""The FP8 quantiser's scale and cast as one Triton kernel, writing one or both layouts.
 
-Eager, ``quantize``'s cast is four passes over the operand (to fp32, the product, the clamp,
-the cast) and a fifth for a transposed operand made row-major; here it is one: the operand is
-read through its strides (a weight read as ``w.t()`` included) and written row-major in FP8.
-The scale is one value (tensorwise) or one per row (rowwise). fp32 → FP8 rounds to nearest
-even on the GPU, as torch's cast does; the values are clamped first, so saturation never
-decides. Used on CUDA only (``fxmegatron.ops.fp8``); tests compare its bytes with the eager
-cast on a GPU.
+Eager, a cast is four passes over the operand (to fp32, the product, the clamp, the cast),
+a fifth for a transposed operand made row-major, and a dozen small launches for the scale.
+Here, given the amax (one, or one per row and one per column), one kernel reads the operand
+once through its strides, computes the scale (``max / amax`` in float64 rounded once to fp32,
+a power of two below it when asked: ``ops.fp8._inverse_scale``'s arithmetic), and writes
+``clamp(x · inv, ±max)`` in FP8 row-major and, when asked, the transposed copy row-major
+too: the two layouts a linear's forward and backward GEMMs read (``_scaled_mm`` takes its
+left operand row-major and its right one column-major). Rowwise, the copy uses the column
+scales: each GEMM quantises along its own contraction dim.
+
+fp32 → FP8 rounds to nearest even on the GPU, as torch's cast does; the values are clamped
+first, so saturation never decides. Used on CUDA only (``fxmegatron.ops.fp8``); tests check
+the scales in Triton's interpreter and the bytes against the eager cast on a GPU.
 """
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -23,69 +31,66 @@ BM, BN = 64, 64
 
 if triton is not None:
     @triton.jit
-    def _cast_kernel(x_ptr, inv_ptr, y_ptr, M, N, sxm, sxn, fmax,
-                     ROWWISE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
-        if ROWWISE:
-            inv = tl.load(inv_ptr + rm, mask=rm < M, other=1.0)[:, None]
-        else:
-            inv = tl.load(inv_ptr)
-        y = tl.minimum(tl.maximum(x * inv, -fmax), fmax)
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    def _inverse(amax, fmax, floor, POW2: tl.constexpr):
+        # max / amax in float64 (a correctly rounded division: div.rn.f64), rounded once to fp32;
+        # the fp32 reciprocals below use div_rn, as fp32 "/" may be approximate
+        inv = (tl.cast(fmax, tl.float64) / tl.maximum(amax.to(tl.float64), floor)).to(tl.float32)
+        if POW2:        # 2^floor(log2(inv)) from the exponent bits (inv is a normal fp32:
+            # between 448 / bf16's max and 57344 / 1e-12)
+            inv = (inv.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        return inv
 
     @triton.jit
-    def _scaled_cast_kernel(x_ptr, amax_ptr, y_ptr, scale_ptr, M, N, sxm, sxn, fmax, floor,
-                            ROWWISE: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    def _cast_kernel(x_ptr, amax_ptr, amax_t_ptr, y_ptr, yt_ptr, s_ptr, st_ptr, M, N, sxm, sxn, fmax, floor,
+                     ROWWISE: tl.constexpr, POW2: tl.constexpr, BOTH: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr):
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
         if ROWWISE:
-            amax = tl.load(amax_ptr + rm, mask=rm < M, other=1.0).to(tl.float64)
-        else:
-            amax = tl.load(amax_ptr).to(tl.float64)
-        # ops.fp8._inverse_scale: max / amax in float64, rounded once to fp32
-        inv = (tl.cast(fmax, tl.float64) / tl.maximum(amax, floor)).to(tl.float32)     # fp64: IEEE division
-        if POW2:        # 2^floor(log2(inv)) from the exponent bits (inv is normal: >= 1 / 2^-126)
-            bits = inv.to(tl.int32, bitcast=True) & 0x7F800000
-            inv = bits.to(tl.float32, bitcast=True)
-        if ROWWISE:
+            inv = _inverse(tl.load(amax_ptr + rm, mask=rm < M, other=1.0), fmax, floor, POW2)
             y = tl.minimum(tl.maximum(x * inv[:, None], -fmax), fmax)
-            if tl.program_id(1) == 0:
-                tl.store(scale_ptr + rm, 1.0 / inv, mask=rm < M)
+            if pn == 0:
+                tl.store(s_ptr + rm, tl.math.div_rn(1.0, inv), mask=rm < M)
         else:
+            inv = _inverse(tl.load(amax_ptr), fmax, floor, POW2)
             y = tl.minimum(tl.maximum(x * inv, -fmax), fmax)
-            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-                tl.store(scale_ptr, 1.0 / inv)
+            if (pm == 0) & (pn == 0):
+                tl.store(s_ptr, tl.math.div_rn(1.0, inv))
+                if BOTH:        # the copy's scale: the same value, its own tensor (op outputs never alias)
+                    tl.store(st_ptr, tl.math.div_rn(1.0, inv))
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        if BOTH:
+            if ROWWISE:     # the copy is quantised along the other dim: per column of x
+                inv_t = _inverse(tl.load(amax_t_ptr + rn, mask=rn < N, other=1.0), fmax, floor, POW2)
+                yt = tl.minimum(tl.maximum(x * inv_t[None, :], -fmax), fmax)
+                if pm == 0:
+                    tl.store(st_ptr + rn, tl.math.div_rn(1.0, inv_t), mask=rn < N)
+            else:
+                yt = y
+            tl.store(yt_ptr + rn[:, None] * M + rm[None, :], tl.trans(yt).to(yt_ptr.dtype.element_ty),
+                     mask=(rn[:, None] < N) & (rm[None, :] < M))
 
 
-def cast_fp8(x2: Tensor, inv: Tensor, dtype: torch.dtype) -> Tensor:
-    """Row-major FP8 ``clamp(x2 · inv, ±max)`` of the 2-D ``x2`` (any strides) with ``inv`` a
-    scalar or one value per row ([M, 1]), fp32."""
+def cast_fp8(x2: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool, floor: float,
+             amax_t: Optional[Tensor] = None, both: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor],
+                                                                           Optional[Tensor]]:
+    """(q, scale, qt, scale_t) of the 2-D ``x2`` (any strides): ``q`` row-major [M, N] FP8 with
+    its fp32 dequantisation scale ([] from a scalar ``amax``, [M, 1] from a per-row one), and
+    with ``both`` the row-major copy of ``x2ᵀ`` [N, M]: rowwise quantised with the per-column
+    ``amax_t`` ([N]; scale [N, 1]), tensorwise with the one scale (``scale_t``: equal, not the same
+    tensor)."""
     m, n = x2.shape
+    rowwise = amax.numel() > 1 or amax.dim() == 2
     y = torch.empty((m, n), dtype=dtype, device=x2.device)
-    inv = inv.float().contiguous()
+    s = torch.empty((m, 1) if rowwise else (), dtype=torch.float32, device=x2.device)
+    yt = torch.empty((n, m), dtype=dtype, device=x2.device) if both else y
+    st = torch.empty((n, 1) if rowwise else (), dtype=torch.float32, device=x2.device) if both else s
+    at = amax_t.contiguous() if (both and rowwise) else amax
     grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
-    _cast_kernel[grid](x2, inv, y, m, n, x2.stride(0), x2.stride(1), float(torch.finfo(dtype).max),
-                       ROWWISE=inv.numel() > 1 or inv.dim() == 2, BM=BM, BN=BN, num_warps=4)
-    return y
-
-
-def scaled_cast_fp8(x2: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool, floor: float):
-    """(row-major FP8 of ``x2``, fp32 dequantisation scale) from the amax (a scalar, or [M, 1]
-    per row): the scale computed in the cast kernel itself, as ``ops.fp8._inverse_scale``
-    does on the host (max / amax in float64 rounded to fp32; a power of two below it when
-    ``pow2``), one launch instead of a dozen small ones."""
-    m, n = x2.shape
-    rowwise = amax.dim() == 2
-    y = torch.empty((m, n), dtype=dtype, device=x2.device)
-    scale = torch.empty((m, 1) if rowwise else (), dtype=torch.float32, device=x2.device)
-    grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
-    _scaled_cast_kernel[grid](x2, amax.contiguous(), y, scale, m, n, x2.stride(0), x2.stride(1),
-                              float(torch.finfo(dtype).max), floor, ROWWISE=rowwise, POW2=pow2, BM=BM, BN=BN,
-                              num_warps=4)
-    return y, scale
+    _cast_kernel[grid](x2, amax.contiguous(), at, y, yt, s, st, m, n, x2.stride(0), x2.stride(1),
+                       float(torch.finfo(dtype).max), floor, ROWWISE=rowwise, POW2=pow2, BOTH=both,
+                       BM=BM, BN=BN, num_warps=4)
+    return (y, s, yt, st) if both else (y, s, None, None)

@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from fxmegatron.errors import PrecisionError
-from fxmegatron.kernels.fp8_cast import scaled_cast_fp8
+from fxmegatron.kernels.fp8_cast import cast_fp8
 from fxmegatron.ops.collectives import all_reduce
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -133,15 +133,42 @@ def quantize(x: Tensor, recipe, dtype: torch.dtype = E4M3, group_name: str = "")
     per-column scales quantise ``x.t()``). ``group_name``: the amax is the max over that group."""
     r = recipe_of(recipe)
     x2 = x.reshape(-1, x.shape[-1])
-    # the largest |x| in one pass (no |x| tensor): exact in any dtype, a max rounds nothing
-    amax = torch.linalg.vector_norm(x2, float("inf"), dim=1 if r.rowwise else None, keepdim=r.rowwise)
-    if group_name:
-        amax = all_reduce(amax.float(), "max", group_name)
+    amax = _amax(x2, 1 if r.rowwise else None, group_name)
+    if x2.is_cuda:       # one pass, read through x2's strides, written row-major, the scale computed in it
+        return cast_fp8(x2, amax, dtype, r.pow2_scales, AMAX_FLOOR)[:2]
+    return _emulated_cast(x2, amax, dtype, r.pow2_scales)
+
+
+def quantize_pair(x: Tensor, recipe, dtype: torch.dtype, group_rows: str = "",
+                  group_cols: str = "") -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``quantize(x2)`` and ``quantize(x2.t())`` of ``x2 = x.reshape(-1, x.shape[-1])``, the two
+    layouts a linear's GEMMs read of one operand, with the same bytes and scales as those two
+    calls. On CUDA both come from one read of x (the amaxes aside). ``group_rows`` /
+    ``group_cols``: the groups the amaxes of x2's rows / of its columns are max-reduced over
+    (tensorwise: one amax, ``group_rows``'s)."""
+    r = recipe_of(recipe)
+    x2 = x.reshape(-1, x.shape[-1])
+    if not r.rowwise:
+        amax = _amax(x2, None, group_rows)
+        if x2.is_cuda:
+            return cast_fp8(x2, amax, dtype, r.pow2_scales, AMAX_FLOOR, both=True)
+        q, s = _emulated_cast(x2, amax, dtype, r.pow2_scales)
+        return q, s, q.t().contiguous(), s.clone()     # one scale: the same FP8 values, transposed
+    amax_r, amax_c = _amax(x2, 1, group_rows), _amax(x2.t(), 1, group_cols)
     if x2.is_cuda:
-        # one pass, read through x2's strides and written row-major, the scale computed in it
-        # (a power of two from the exponent bits, where the host takes floor(log2))
-        return scaled_cast_fp8(x2, amax, dtype, r.pow2_scales, AMAX_FLOOR)
-    inv = _inverse_scale(amax.float(), dtype, r.pow2_scales)
+        return cast_fp8(x2, amax_r, dtype, r.pow2_scales, AMAX_FLOOR, amax_t=amax_c.view(-1), both=True)
+    return (*_emulated_cast(x2, amax_r, dtype, r.pow2_scales), *_emulated_cast(x2.t(), amax_c, dtype, r.pow2_scales))
+
+
+def _amax(x2: Tensor, dim: Optional[int], group_name: str) -> Tensor:
+    """The largest |x| (per row with ``dim=1``, [M, 1]) in one pass (no |x| tensor): exact in any
+    dtype, a max rounds nothing; max-reduced over ``group_name``."""
+    amax = torch.linalg.vector_norm(x2, float("inf"), dim=dim, keepdim=dim is not None)
+    return all_reduce(amax.float(), "max", group_name) if group_name else amax
+
+
+def _emulated_cast(x2: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool) -> Tuple[Tensor, Tensor]:
+    inv = _inverse_scale(amax.float(), dtype, pow2)
     return saturate(x2.float() * inv, dtype).contiguous(), inv.reciprocal()
 
 
@@ -196,18 +223,23 @@ def _forward(x: Tensor, w: Tensor, b: Optional[Tensor], recipe: str, group: str,
 
 def _backward(dy: Tensor, x: Tensor, w: Tensor, recipe: str, group: str, split: str) -> Tuple[Tensor, Tensor]:
     r = recipe_of(recipe)
-    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    # grad_x = dy @ w: dy per row (token), w per column (in feature), both along out features
-    qdy, sdy = quantize(dy2, r, r.grad_dtype, _group(r, group, split, "tokens"))
-    qwt, swt = quantize(w.t(), r, E4M3, _group(r, group, split, "in"))
-    grad_x = _scaled_gemm(qdy, sdy, qwt.t(), swt.t(), x.dtype, r.fast_accum[1], shape=x.shape)
-    # grad_w = dyᵀ @ x: dyᵀ per row (out feature), x per column (in feature), both along tokens
-    if r.rowwise:
-        qdyt, sdyt = quantize(dy2.t(), r, r.grad_dtype, _group(r, group, split, "out"))
-    else:   # one scale per tensor: the same FP8 dy, transposed
-        qdyt, sdyt = qdy.t().contiguous(), sdy
+    x2 = x.reshape(-1, x.shape[-1])
     qxt, sxt = quantize(x2.t(), r, E4M3, _group(r, group, split, "in"))
-    grad_w = _scaled_gemm(qdyt, sdyt, qxt.t(), sxt.t(), w.dtype, r.fast_accum[2])
+    qwt, swt = quantize(w.t(), r, E4M3, _group(r, group, split, "in"))
+    return backward_gemms(dy, qxt, sxt, qwt, swt, r, group, split, x.dtype, w.dtype)
+
+
+def backward_gemms(dy: Tensor, qxt: Tensor, sxt: Tensor, qwt: Tensor, swt: Tensor, r: Recipe, group: str,
+                   split: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """(grad_x, grad_w) from dy and the FP8 copies of xᵀ ([in, tokens]) and wᵀ ([in, out]),
+    row-major, quantised along tokens and out features."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    # grad_x = dy @ w: dy per row (token), w per column (in feature), both along out features;
+    # grad_w = dyᵀ @ x: dyᵀ per row (out feature), x per column (in feature), both along tokens
+    qdy, sdy, qdyt, sdyt = quantize_pair(dy2, r, r.grad_dtype, _group(r, group, split, "tokens"),
+                                         _group(r, group, split, "out"))
+    grad_x = _scaled_gemm(qdy, sdy, qwt.t(), swt.t(), x_dtype, r.fast_accum[1], shape=(*dy.shape[:-1], qwt.shape[0]))
+    grad_w = _scaled_gemm(qdyt, sdyt, qxt.t(), sxt.t(), w_dtype, r.fast_accum[2])
     return grad_x, grad_w
 
 
@@ -268,9 +300,8 @@ def fp8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], recipe: str, tp_group:
     return fp8_linear_op(x, w, b, recipe, tp_group, split)
 
 
-GROUP_ARG = 4       # fp8_linear's tp_group argument, in the graph
 # What fp8_linear communicates when its group is not empty, for the dump (amaxes: a scalar per
-# tensor, or a vector per row)
+# tensor, or a vector per row): (short name, what, the arguments that name groups)
 FP8_COLLECTIVES = {
-    fp8_linear: ("fp8_amax", "all-reduce(max) of the amaxes of x and w (forward), of dy, w and x (backward)"),
+    fp8_linear: ("fp8_amax", "all-reduce(max) of the amaxes of x and w (forward), of dy, w and x (backward)", (4,)),
 }

@@ -67,7 +67,7 @@ def node_flops(node: fx.Node, gm: fx.GraphModule) -> float:
     out = node.meta.get("val")
     name = getattr(node.target, "__name__", str(node.target))
     pk = getattr(node.target, "overloadpacket", None)
-    if pk in (aten.mm, aten.addmm, aten.bmm, aten.linear, aten.matmul, aten.baddbmm) or name == "fp8_linear":
+    if pk in (aten.mm, aten.addmm, aten.bmm, aten.linear, aten.matmul, aten.baddbmm) or name in ("fp8_linear", "fp8_linear_q"):
         a = node.args[1] if pk in (aten.addmm, aten.baddbmm) else node.args[0]
         k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) else 1
         return 2.0 * _numel(out) * k

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from fxmegatron.capture import module_path
 from fxmegatron.ops.fp8 import E4M3, fp8_linear, quantize, recipe_of
+from fxmegatron.ops.fp8_operands import fp8_linear_q
 
 
 def _stats(t: torch.Tensor, recipe: str, group: str) -> Dict[str, float]:
@@ -40,7 +41,7 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         out = super().run_node(n)
-        if n.op == "call_function" and n.target is fp8_linear:
+        if n.op == "call_function" and n.target in (fp8_linear, fp8_linear_q):     # same first six args
             x, w = self.env[n.args[0]], self.env[n.args[1]]
             recipe, group = n.args[3], n.args[4]
             self.rows.append({"node": n.name, "module": module_path(n), "recipe": recipe_of(recipe).name,

@@ -11,10 +11,12 @@ def one_step(pm, name):
 
 
 def fp8_tp(rank, world, layouts):
-    """{(name, recipe, sp): (loss, grads, fp8 nodes, fp8 nodes the dump lists as collectives)}
+    """{(name, recipe, sp): (loss, grads, FP8 linears, those the dump lists as collectives, FP8
+    quantisations, those the dump lists)}
     at tp=world, for ``layouts``: {name: [(recipe, sequence_parallel), ...]}."""
     import fxmegatron
     from fxmegatron.io.dump import collective_nodes
+    from fxmegatron.ops.fp8_operands import quantize_operand
 
     mesh = tp_mesh(world)
     out = {}
@@ -23,6 +25,8 @@ def fp8_tp(rank, world, layouts):
             pm = fxmegatron.parallelize(models.build(name), mesh, models.batch(name), sequence_parallel=sp,
                                         precision="fp8", fp8_recipe=recipe)
             n_fp8 = sum(1 for n in pm.graph_module.graph.nodes if n.meta.get("fp8", "").startswith("fp8"))
-            n_amax = [k for _, k in collective_nodes(pm.graph_module)].count("fp8_amax")
-            out[(name, recipe, sp)] = one_step(pm, name) + (n_fp8, n_amax)
+            amax = [n for n, k in collective_nodes(pm.graph_module) if k == "fp8_amax"]
+            n_quant = sum(1 for n in pm.graph_module.graph.nodes if n.target is quantize_operand)
+            n_quant_amax = sum(1 for n in amax if n.target is quantize_operand)
+            out[(name, recipe, sp)] = one_step(pm, name) + (n_fp8, len(amax) - n_quant_amax, n_quant, n_quant_amax)
     return out
