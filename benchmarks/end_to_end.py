@@ -52,6 +52,14 @@ Layouts (--layouts, a comma list; the product of the parallel sizes must equal t
 number of processes):
 - ``eager``: the plain model. ``compile``: ``torch.compile(model)`` (``compile-autotune``: mode
   "max-autotune-no-cudagraphs", ``compile-cgraphs``: "reduce-overhead"). One process only.
+- ``compile-ao``/``compile-aorow`` (with ``-cgraphs``/``-autotune`` too: ``compile-ao-cgraphs``):
+  the FP8 baseline of a torch.compile user, torchao's float8 training (torchao 0.17:
+  ``convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"``
+  / ``"rowwise"), module_filter_fn=...)``), then ``torch.compile``: the counterpart of
+  ``fx-compile-fp8``/``fx-compile-fp8row``. The filter (``e2e.builders.fp8_linear_filter``)
+  keeps in high precision what fxmegatron's FP8 pass keeps: the LM head (``lm_head``, or a
+  weight tied to the embedding) and linears with in/out features (or tokens) not multiples
+  of 16. Needs torchao and an sm_89+ GPU (refused otherwise: torchao has no CPU float8).
 - ``native-tpN``: PyTorch's own tensor parallelism on DTensor
   (``parallelize_module``), torchtitan's Llama plan: wte RowwiseParallel (output
   Shard(1)), LayerNorms SequenceParallel, attention/MLP inputs PrepareModuleInput
@@ -208,7 +216,9 @@ def parse_args(argv=None):
     ap.add_argument("--microbatches", type=int, default=8, help="microbatches of layouts with pp > 1 and no -mN")
     ap.add_argument("--layouts", default="eager,compile,fx",
                     help="a comma list of the layouts above; fx-fuse: fxmegatron fuse=True + compile, "
-                         "fx-fuse-eager: fuse=True with the rest of the graph eager")
+                         "fx-fuse-eager: fuse=True with the rest of the graph eager; compile-ao / compile-aorow: "
+                         "torchao float8 training (tensorwise / rowwise) + torch.compile, the baseline of "
+                         "fx-compile-fp8 / fx-compile-fp8row")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1,
@@ -270,7 +280,7 @@ def main(argv=None):
         except ValueError as exc:
             problems.append(str(exc))
             continue
-        why = check_layout(lay, world, spec, args.optimizer) if spec is not None else None
+        why = check_layout(lay, world, spec, args.optimizer, args.device) if spec is not None else None
         if why:
             problems.append(why)
         layouts.append(lay)

@@ -174,3 +174,78 @@ def test_hf_batch_feeds_the_models_own_shifted_loss():
     logits = model(input_ids=ids).logits
     want = F.cross_entropy(logits[:, :-1].reshape(-1, s.vocab), ids[:, 1:].reshape(-1))
     assert torch.allclose(loss, want, rtol=1e-6), (loss, want)
+
+
+def test_torchao_layouts_give_the_recipe_and_compose_with_the_compile_mode():
+    """compile-ao / compile-aorow: torchao float8 training (tensorwise / rowwise) + torch.compile,
+    the FP8 baseline of fx-compile-fp8 / -fp8row, the recipe in ``fp8`` as for fxmegatron rows;
+    -cgraphs / -autotune still pick the mode. -ao belongs to the compile head only."""
+    from e2e.layouts import parse_layout
+    ao, row, cg = parse_layout("compile-ao", 8), parse_layout("compile-aorow", 8), parse_layout("compile-ao-cgraphs", 8)
+    assert (ao.kind, ao.fp8, ao.compile) == ("compile", "tensorwise", False)
+    assert (row.kind, row.fp8, row.compile) == ("compile", "rowwise", False)
+    assert (cg.kind, cg.fp8, cg.compile) == ("compile", "tensorwise", "reduce-overhead")
+    assert parse_layout("compile-aorow-autotune", 8).compile == "max-autotune-no-cudagraphs"
+    assert ao.label == "the plain model, torchao float8 tensorwise + torch.compile"
+    assert row.label == "the plain model, torchao float8 rowwise + torch.compile"
+    assert cg.label == "the plain model, torchao float8 tensorwise + torch.compile (reduce-overhead)"
+    assert parse_layout("compile", 8).fp8 == "" and parse_layout("compile", 8).label == "the plain model, torch.compile"
+    assert parse_layout("fx-compile-fp8row", 8).fp8 == "rowwise"
+    for bad, part in (("compile-aox", "aox"), ("eager-ao", "ao"), ("fx-ao", "ao"), ("compile-fp8", "fp8")):
+        with pytest.raises(ValueError, match=f"unknown part '{part}'"):
+            parse_layout(bad, 8)
+
+
+def test_torchao_layouts_refused_without_torchao_or_a_gpu(monkeypatch):
+    """Without torchao a compile-ao row is refused in one line (nothing imports torchao until a
+    row needs it); with torchao but on the CPU as well (torchao's float8 runs on CUDA only)."""
+    import types
+
+    from e2e.layouts import check_layout, parse_layout
+    spec = types.SimpleNamespace(batch=16, layers=8)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    why = check_layout(parse_layout("compile-ao", 8), 1, spec)
+    assert why.startswith("compile-ao needs torchao (pip install torchao==0.17.0): ") and "\n" not in why, why
+    assert check_layout(parse_layout("compile-aorow-cgraphs", 8), 1, spec).startswith("compile-aorow-cgraphs needs")
+    assert check_layout(parse_layout("compile", 8), 1, spec) is None
+    fake = types.ModuleType("torchao")
+    fake.float8 = types.ModuleType("torchao.float8")
+    monkeypatch.setitem(sys.modules, "torchao", fake)
+    monkeypatch.setitem(sys.modules, "torchao.float8", fake.float8)
+    why = check_layout(parse_layout("compile-ao", 8), 1, spec, device="cpu")
+    assert why == "compile-ao: torchao float8 training needs a CUDA GPU (sm_89+); this run is on the CPU", why
+
+
+def test_torchao_layout_refused_by_the_script_on_cpu():
+    out = one_process(["--tiny", "--device", "cpu", "--layouts", "compile,compile-ao"], timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "compile-ao" in out.stderr and ("needs torchao" in out.stderr or "needs a CUDA GPU" in out.stderr)
+
+
+def test_fp8_linear_filter_keeps_what_the_fxmegatron_pass_keeps():
+    """The torchao rows' module filter mirrors fxmegatron's FP8 pass: the LM head (``lm_head``, or
+    any linear tied to an embedding) and linears with an in or out feature count (or a token
+    count) not a multiple of 16 stay in high precision; every other linear is selected."""
+    import torch.nn as nn
+
+    from e2e.builders import fp8_linear_filter
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(48, 32)
+            self.block = nn.ModuleDict({"fc": nn.Linear(32, 128), "proj": nn.Linear(128, 32),
+                                        "odd_in": nn.Linear(24, 32), "odd_out": nn.Linear(32, 40),
+                                        "norm": nn.LayerNorm(32)})
+            self.lm_head = nn.Linear(32, 64, bias=False)
+            self.tied_out = nn.Linear(32, 48, bias=False)
+            self.tied_out.weight = self.wte.weight
+
+    model = Tiny()
+    keep = fp8_linear_filter(model)
+    chosen = {fqn for fqn, mod in model.named_modules() if keep(mod, fqn)}
+    assert chosen == {"block.fc", "block.proj"}, chosen
+    assert fp8_linear_filter(model, tokens=16 * 64)(model.block.fc, "block.fc")
+    assert not fp8_linear_filter(model, tokens=8 * 63)(model.block.fc, "block.fc")
+    # the name alone marks the head, wherever it sits (HF: ``lm_head`` under the causal LM)
+    assert not keep(nn.Linear(32, 64), "model.lm_head")

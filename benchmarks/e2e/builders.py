@@ -1,5 +1,6 @@
 """Each framework's model for a layout, as a ``Job`` the training loop runs: the plain model
-(eager, torch.compile), PyTorch-native DTensor tensor parallelism (the bundled GPT here, HF
+(eager, torch.compile, torchao float8 + torch.compile), PyTorch-native DTensor tensor parallelism
+(the bundled GPT here, HF
 models in ``e2e.hf_builders``), fxmegatron. Also the plain model's reference losses for --check."""
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import contextlib
 import gc
 import types
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import fxmegatron
@@ -55,8 +57,36 @@ def torch_job(params, fwd_bwd, keep) -> Job:
     return Job(params, fwd_bwd, norm, lambda n: torch.nn.utils.clip_grads_with_norm_(params, 1.0, n), keep)
 
 
+FP8_ALIGN = 16     # torch._scaled_mm's alignment of every GEMM dim (fxmegatron.passes.fp8.ALIGN)
+
+
+def fp8_linear_filter(model: nn.Module, tokens: Optional[int] = None) -> Callable[[nn.Module, str], bool]:
+    """torchao's ``module_filter_fn`` (called with each linear and its FQN; True: convert it to
+    float8) that keeps in high precision exactly what fxmegatron's FP8 pass
+    (``fxmegatron.passes.fp8``) keeps, so that compile-ao and fx-compile-fp8 quantise the same
+    linears: the LM head (the module named ``lm_head``, as in the bundled GPT and in HF causal
+    LMs, and any linear whose weight an embedding of ``model`` also reads: a tied head), and any
+    linear whose in or out features are not multiples of 16. ``tokens``, the tokens a linear
+    sees per microbatch, is the third GEMM dim the pass checks; unaligned, it keeps every linear.
+    The pass also rewrites HF's Conv1D matmuls (GPT-2); torchao converts nn.Linear only."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+    def select(mod: nn.Module, fqn: str) -> bool:
+        if not isinstance(mod, nn.Linear) or fqn.rsplit(".", 1)[-1] == "lm_head" or id(mod.weight) in embedded:
+            return False
+        dims = (mod.in_features, mod.out_features) + ((tokens,) if tokens is not None else ())
+        return all(d % FP8_ALIGN == 0 for d in dims)
+    return select
+
+
 def build_eager(lay, spec, dev, dtype, batch, **_):
     model = spec.plain(dev, dtype)
+    if lay.fp8:
+        # imported here: torchao is optional (check_layout has refused these rows without it)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        tokens = spec.batch // lay.m * spec.seq
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(lay.fp8),
+                                   module_filter_fn=fp8_linear_filter(model, tokens))
     mode = lay.compile if isinstance(lay.compile, str) else None
     fn = torch.compile(model, mode=mode) if lay.kind == "compile" else model
     return torch_job(list(model.parameters()), accumulate(fn, spec, batch, lay.m), [model, fn])

@@ -1,6 +1,6 @@
-"""Layout names (``eager``, ``compile``, ``native-tpN``, ``fx-...``; see benchmarks/end_to_end.py's
-docstring) parsed into ``Layout`` records and checked against the world size and the model
-(``e2e.models.ModelSpec``)."""
+"""Layout names (``eager``, ``compile[-ao|-aorow]``, ``native-tpN``, ``fx-...``; see
+benchmarks/end_to_end.py's docstring) parsed into ``Layout`` records and checked against the
+world size, the model (``e2e.models.ModelSpec``) and the device."""
 from __future__ import annotations
 
 import re
@@ -25,7 +25,8 @@ class Layout:
     fp32_accum: bool = False    # parallelize(grad_accum_dtype=torch.float32)
     overlap: int = 0
     transport: str = "auto"
-    fp8: str = ""               # -fp8 / -fp8row: parallelize(precision="fp8", fp8_recipe=tensorwise / rowwise)
+    fp8: str = ""               # fx -fp8 / -fp8row: parallelize(precision="fp8", fp8_recipe=tensorwise / rowwise);
+                                # compile -ao / -aorow: torchao float8 training, the same recipes
 
     @property
     def world(self):
@@ -33,7 +34,11 @@ class Layout:
 
     @property
     def label(self) -> str:
-        """What the row runs, in words: ``fx-fuse`` is "fxmegatron fuse=True + compile"."""
+        """What the row runs, in words: ``fx-fuse`` is "fxmegatron fuse=True + compile",
+        ``compile-ao`` "the plain model, torchao float8 tensorwise + torch.compile"."""
+        if self.kind == "compile" and self.fp8:
+            mode = f" ({self.compile})" if isinstance(self.compile, str) else ""
+            return f"the plain model, torchao float8 {self.fp8} + torch.compile{mode}"
         if self.kind != "fx":
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
                     "native": f"PyTorch-native DTensor TP, tp {self.tp}"}[self.kind]
@@ -44,8 +49,8 @@ class Layout:
 
 
 def parse_layout(name: str, pp_microbatches: int) -> Layout:
-    """``eager``, ``compile``, ``native-tpN``, ``fx-...`` (see end_to_end.py's docstring), each
-    with an optional ``-mN``. Raises ValueError with the reason."""
+    """``eager``, ``compile[-ao|-aorow]``, ``native-tpN``, ``fx-...`` (see end_to_end.py's
+    docstring), each with an optional ``-mN``. Raises ValueError with the reason."""
     head, *tokens = name.split("-")
     if head not in ("eager", "compile", "native", "fx"):
         raise ValueError(f"layout {name!r}: starts with {head!r}; expected eager, compile, native-tpN or fx[-...]")
@@ -79,6 +84,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.fadam = True
         elif head == "fx" and tok in ("fp8", "fp8row"):
             lay.fp8 = {"fp8": "tensorwise", "fp8row": "rowwise"}[tok]
+        elif head == "compile" and tok in ("ao", "aorow"):
+            lay.fp8 = {"ao": "tensorwise", "aorow": "rowwise"}[tok]
         elif head == "fx" and tok == "acc32":
             lay.fp32_accum = True
         elif head == "fx" and tok in ("nccl", "ce"):
@@ -101,8 +108,9 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
     return lay
 
 
-def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused") -> Optional[str]:
-    """Why ``lay`` cannot run here with the model ``spec`` (``e2e.models.ModelSpec``), or None."""
+def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused", device: str = "auto") -> Optional[str]:
+    """Why ``lay`` cannot run here with the model ``spec`` (``e2e.models.ModelSpec``) on
+    ``device`` (--device: "auto", "cuda" or "cpu"), or None."""
     if lay.fadam and optimizer != "fused":
         return (f"{lay.name}: -fadam asks for FusedAdamW, but --optimizer is {optimizer!r}; the optimizer is "
                 f"run-wide now (every row uses --optimizer's): drop -fadam")
@@ -121,6 +129,30 @@ def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused") -> Opt
         why = spec.native_unfit()
         if why:
             return f"{lay.name}: {why}"
+    if lay.kind == "compile" and lay.fp8:
+        why = _torchao_unfit(lay, device)
+        if why:
+            return why
     if lay.kind == "fx" and lay.pp * lay.v > spec.layers:
         return f"{lay.name}: pp·v = {lay.pp * lay.v} chunks but only {spec.layers} layers"
+    return None
+
+
+def _torchao_unfit(lay: Layout, device: str) -> Optional[str]:
+    """Why torchao's float8 training cannot run ``lay`` here, or None. torchao is imported here,
+    not at module import: CI has neither torchao nor a GPU, and only these rows need it."""
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as exc:    # not installed, or built against another torch (its import then raises)
+        return (f"{lay.name} needs torchao (pip install torchao==0.17.0): "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    import torch
+    # torchao's float8 training targets CUDA's torch._scaled_mm (sm_89+) and, unlike fxmegatron's
+    # fp8 rows, has no CPU path; "auto" picks cuda when a GPU is visible, so no GPU means the CPU
+    if device == "cpu" or not torch.cuda.is_available():
+        return f"{lay.name}: torchao float8 training needs a CUDA GPU (sm_89+); this run is on the CPU"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return (f"{lay.name}: torchao float8 training needs an sm_89+ GPU (Ada, Hopper or later); "
+                f"this one is sm_{major}{minor}")
     return None
