@@ -40,6 +40,12 @@ def _source(n):
     return q, q.args[0].args[0]
 
 
+def _input(n):
+    """fp8_linear_q's x, under the reshape to [tokens, in]."""
+    x = n.args[0]
+    return x.args[0] if x.target is aten.reshape.default else x
+
+
 @pytest.mark.parametrize("name", ["gpt", "llama", "gpt2", "falcon"])
 def test_linears_reading_one_activation_share_its_quantisation(name):
     cap = fp8_graph(name, "rowwise")
@@ -48,11 +54,12 @@ def test_linears_reading_one_activation_share_its_quantisation(name):
     lins = [n for n in cap.gm.graph.nodes if n.target is fp8_linear_q]
     assert len(lins) == FP8_COUNT[name] and not any(n.target is fp8_linear for n in cap.gm.graph.nodes)
     quant = [n for n in cap.gm.graph.nodes if n.target is quantize_operand]
-    xs = {n.args[0] for n in lins}
+    xs = {_input(n) for n in lins}
     assert len(quant) == len(xs) + len(lins)             # one per distinct input, one per weight
     for n in lins:
         (qx, x), (qw, w) = _source(n.args[6]), _source(n.args[10])
-        assert x is n.args[0] and w is n.args[1] and qx is not qw
+        assert x is _input(n) and w is n.args[1] and qx is not qw
+        assert n.args[0].meta["val"].dim() == 2 and n.meta["val"].dim() == 2
         assert all(a.args[0] is qx for a in n.args[6:10]) and all(a.args[0] is qw for a in n.args[10:14])
         assert [a.args[1] for a in n.args[6:14]] == [0, 1, 2, 3] * 2
     by_input = Counter(n.args[6].args[0] for n in lins)

@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.library import wrap_triton
 
 try:
     import triton
@@ -31,31 +32,34 @@ BM, BN = 64, 64
 
 if triton is not None:
     @triton.jit
-    def _inverse(amax, fmax, floor, POW2: tl.constexpr):
+    def _inverse(amax, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr):
         # max / amax in float64 (a correctly rounded division: div.rn.f64), rounded once to fp32;
-        # the fp32 reciprocals below use div_rn, as fp32 "/" may be approximate
-        inv = (tl.cast(fmax, tl.float64) / tl.maximum(amax.to(tl.float64), floor)).to(tl.float32)
+        # the fp32 reciprocals below use div_rn, as fp32 "/" may be approximate. The constants are
+        # made in float64 here: a float argument is fp32 when launched directly and fp64 from inductor
+        fmax = tl.full((), FMAX, tl.float64)
+        inv = (fmax / tl.maximum(amax.to(tl.float64), tl.full((), FLOOR, tl.float64))).to(tl.float32)
         if POW2:        # 2^floor(log2(inv)) from the exponent bits (inv is a normal fp32:
             # between 448 / bf16's max and 57344 / 1e-12)
             inv = (inv.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         return inv
 
     @triton.jit
-    def _cast_kernel(x_ptr, amax_ptr, amax_t_ptr, y_ptr, yt_ptr, s_ptr, st_ptr, M, N, sxm, sxn, fmax, floor,
-                     ROWWISE: tl.constexpr, POW2: tl.constexpr, BOTH: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr):
+    def _cast_kernel(x_ptr, amax_ptr, amax_t_ptr, y_ptr, yt_ptr, s_ptr, st_ptr, M, N, sxm, sxn,
+                     FMAX: tl.constexpr, FLOOR: tl.constexpr, ROWWISE: tl.constexpr, POW2: tl.constexpr,
+                     BOTH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         pm, pn = tl.program_id(0), tl.program_id(1)
+        fmax = tl.full((), FMAX, tl.float32)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
         if ROWWISE:
-            inv = _inverse(tl.load(amax_ptr + rm, mask=rm < M, other=1.0), fmax, floor, POW2)
+            inv = _inverse(tl.load(amax_ptr + rm, mask=rm < M, other=1.0), FMAX, FLOOR, POW2)
             y = tl.minimum(tl.maximum(x * inv[:, None], -fmax), fmax)
             if pn == 0:
                 tl.store(s_ptr + rm, tl.math.div_rn(1.0, inv), mask=rm < M)
         else:
-            inv = _inverse(tl.load(amax_ptr), fmax, floor, POW2)
+            inv = _inverse(tl.load(amax_ptr), FMAX, FLOOR, POW2)
             y = tl.minimum(tl.maximum(x * inv, -fmax), fmax)
             if (pm == 0) & (pn == 0):
                 tl.store(s_ptr, tl.math.div_rn(1.0, inv))
@@ -64,7 +68,7 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
         if BOTH:
             if ROWWISE:     # the copy is quantised along the other dim: per column of x
-                inv_t = _inverse(tl.load(amax_t_ptr + rn, mask=rn < N, other=1.0), fmax, floor, POW2)
+                inv_t = _inverse(tl.load(amax_t_ptr + rn, mask=rn < N, other=1.0), FMAX, FLOOR, POW2)
                 yt = tl.minimum(tl.maximum(x * inv_t[None, :], -fmax), fmax)
                 if pm == 0:
                     tl.store(st_ptr + rn, tl.math.div_rn(1.0, inv_t), mask=rn < N)
@@ -90,7 +94,8 @@ def cast_fp8(x2: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool, floor: fl
     st = torch.empty((n, 1) if rowwise else (), dtype=torch.float32, device=x2.device) if both else s
     at = amax_t.contiguous() if (both and rowwise) else amax
     grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
-    _cast_kernel[grid](x2, amax.contiguous(), at, y, yt, s, st, m, n, x2.stride(0), x2.stride(1),
-                       float(torch.finfo(dtype).max), floor, ROWWISE=rowwise, POW2=pow2, BOTH=both,
+    # wrap_triton: inside torch.library.triton_op (ops.fp8_operands), torch.compile sees the launch
+    wrap_triton(_cast_kernel)[grid](x2, amax.contiguous(), at, y, yt, s, st, m, n, x2.stride(0), x2.stride(1),
+                       FMAX=float(torch.finfo(dtype).max), FLOOR=floor, ROWWISE=rowwise, POW2=pow2, BOTH=both,
                        BM=BM, BN=BN, num_warps=4)
     return (y, s, yt, st) if both else (y, s, None, None)

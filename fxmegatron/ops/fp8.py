@@ -184,8 +184,13 @@ def scaled_mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dty
     FP8 with scale [] or [M, 1], ``b`` [K, N] column-major FP8 with scale [] or [1, N] (fp32
     dequantisation scales). Its fused bias must have the output's dtype, bf16 or fp16. The
     result has ``shape`` (M·N elements; default [M, N])."""
-    shape = tuple(shape or (a.shape[0], b.shape[1]))
     fused = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
+    if shape is None:       # 2-D: the GEMM's own result (traced by torch.compile: no out= copy)
+        res = torch._scaled_mm(a, b, sa, sb, bias=bias if fused else None,
+                               out_dtype=out_dtype if fused or bias is None else torch.float32,
+                               use_fast_accum=fast_accum)
+        return res if fused or bias is None else (res + bias.float()).to(out_dtype)
+    shape = tuple(shape)
     # written through a 2-D view of a tensor of the output's shape: an op's output must not be a
     # view (autograd forbids in-place ops on views made inside a custom Function; models do them)
     res = torch.empty(shape, dtype=out_dtype if fused or bias is None else torch.float32, device=a.device)
@@ -238,7 +243,8 @@ def backward_gemms(dy: Tensor, qxt: Tensor, sxt: Tensor, qwt: Tensor, swt: Tenso
     # grad_w = dyᵀ @ x: dyᵀ per row (out feature), x per column (in feature), both along tokens
     qdy, sdy, qdyt, sdyt = quantize_pair(dy2, r, r.grad_dtype, _group(r, group, split, "tokens"),
                                          _group(r, group, split, "out"))
-    grad_x = _scaled_gemm(qdy, sdy, qwt.t(), swt.t(), x_dtype, r.fast_accum[1], shape=(*dy.shape[:-1], qwt.shape[0]))
+    grad_x = _scaled_gemm(qdy, sdy, qwt.t(), swt.t(), x_dtype, r.fast_accum[1],
+                          shape=None if dy.dim() == 2 else (*dy.shape[:-1], qwt.shape[0]))
     grad_w = _scaled_gemm(qdyt, sdyt, qxt.t(), sxt.t(), w_dtype, r.fast_accum[2])
     return grad_x, grad_w
 

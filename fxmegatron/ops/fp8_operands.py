@@ -30,49 +30,28 @@ def operand_groups(recipe: str, tp_group: str, split: str, role: str) -> Tuple[s
     return _group(r, tp_group, split, rows), _group(r, tp_group, split, "in")
 
 
-@torch.library.custom_op("fxmegatron::fp8_quantize", mutates_args=())
+@torch.library.triton_op("fxmegatron::fp8_quantize", mutates_args=())
 def fp8_quantize(x: Tensor, recipe: str, group_rows: str, group_cols: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q, scale, qt, scale_t): ``x.reshape(-1, K)`` in e4m3 row-major, quantised along K, and
     its transpose row-major, quantised along the other dim (``ops.fp8.quantize_pair``)."""
     return quantize_pair(x, recipe, E4M3, group_rows, group_cols)
 
 
-@fp8_quantize.register_fake
-def _(x, recipe, group_rows, group_cols):
-    k = x.shape[-1]
-    m = x.numel() // max(k, 1)
-    rowwise = recipe_of(recipe).rowwise
-    f32 = dict(dtype=torch.float32)
-    return (x.new_empty((m, k), dtype=E4M3), x.new_empty((m, 1) if rowwise else (), **f32),
-            x.new_empty((k, m), dtype=E4M3), x.new_empty((k, 1) if rowwise else (), **f32))
-
-
-@torch.library.custom_op("fxmegatron::fp8_linear_q", mutates_args=())
+@torch.library.triton_op("fxmegatron::fp8_linear_q", mutates_args=())
 def fp8_linear_q_op(x: Tensor, w: Tensor, b: Optional[Tensor], recipe: str, tp_group: str, split: str,
                     qx: Tensor, sx: Tensor, qxt: Tensor, sxt: Tensor,
                     qw: Tensor, sw: Tensor, qwt: Tensor, swt: Tensor) -> Tensor:
-    """``fp8_linear(x, w, b, ...)`` from ``fp8_quantize(x)`` and ``fp8_quantize(w)``: x and w
-    themselves only give the output its dtype and shape and take the gradients."""
+    """``fp8_linear(x, w, b, ...)`` of a 2-D x from ``fp8_quantize(x)`` and ``fp8_quantize(w)``:
+    x and w themselves only give the output its dtype and take the gradients."""
     r = recipe_of(recipe)
-    return _scaled_gemm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum[0], b, (*x.shape[:-1], w.shape[0]))
+    return _scaled_gemm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum[0], b)
 
 
-@fp8_linear_q_op.register_fake
-def _(x, w, b, recipe, tp_group, split, qx, sx, qxt, sxt, qw, sw, qwt, swt):
-    return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-
-@torch.library.custom_op("fxmegatron::fp8_linear_q_backward", mutates_args=())
+@torch.library.triton_op("fxmegatron::fp8_linear_q_backward", mutates_args=())
 def fp8_linear_q_backward(dy: Tensor, qxt: Tensor, sxt: Tensor, qwt: Tensor, swt: Tensor, recipe: str,
                           tp_group: str, split: str, x_dtype: torch.dtype,
                           w_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     return backward_gemms(dy, qxt, sxt, qwt, swt, recipe_of(recipe), tp_group, split, x_dtype, w_dtype)
-
-
-@fp8_linear_q_backward.register_fake
-def _(dy, qxt, sxt, qwt, swt, recipe, tp_group, split, x_dtype, w_dtype):
-    return (dy.new_empty((*dy.shape[:-1], qwt.shape[0]), dtype=x_dtype),
-            dy.new_empty((qwt.shape[1], qwt.shape[0]), dtype=w_dtype))
 
 
 def _setup(ctx, inputs, output):
@@ -98,7 +77,7 @@ def fp8_linear_q(x: Tensor, w: Tensor, b: Optional[Tensor], recipe: str, tp_grou
                  qx: Tensor, sx: Tensor, qxt: Tensor, sxt: Tensor,
                  qw: Tensor, sw: Tensor, qwt: Tensor, swt: Tensor) -> Tensor:
     """The graph's call target (a function of this module, as ``ops.fp8.fp8_linear`` is); its
-    first six arguments are ``fp8_linear``'s."""
+    first six arguments are ``fp8_linear``'s, with x 2-D ([tokens, in])."""
     return fp8_linear_q_op(x, w, b, recipe, tp_group, split, qx, sx, qxt, sxt, qw, sw, qwt, swt)
 
 

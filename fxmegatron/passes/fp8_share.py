@@ -3,7 +3,7 @@ its input and weight and an ``fp8_linear_q`` over them (``fxmegatron.ops.fp8_ope
 
 Linears that read the same activation with the same recipe and amax groups (q, k and v of
 one attention; gate and up of one MLP) share one ``fp8_quantize`` node, placed before the
-first of them: the activation is read once for FP8 in forward, and its transposed copy,
+first of them (``fp8_linear_q`` takes x as [tokens, in]: reshapes around it, as linear's own): the activation is read once for FP8 in forward, and its transposed copy,
 which the weight gradients read, is written in that same pass instead of being cast again
 from the saved high-precision input in backward. The program's values do not change: each
 linear's operands are the FP8 bytes ``fp8_linear`` would make (same amax, same scale).
@@ -52,6 +52,23 @@ def _quantize_node(g: fx.Graph, before: fx.Node, x: fx.Node, recipe: str, groups
     return outs
 
 
+def _val(n: fx.Node) -> torch.Tensor:
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"fp8_share: node {n.name} has no tensor in meta['val'] (run after shape propagation)")
+    return val
+
+
+def _view(g: fx.Graph, n: fx.Node, shape, like: fx.Node) -> fx.Node:
+    """``n`` reshaped (a view where strides allow, as linear's own flattening is)."""
+    v = g.call_function(aten.reshape.default, (n, list(shape)))
+    v.meta["val"] = _val(n).reshape(shape)
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in like.meta:
+            v.meta[key] = like.meta[key]
+    return v
+
+
 def share_fp8_quantization(gm: fx.GraphModule) -> fx.GraphModule:
     """Split every ``fp8_linear`` of ``gm`` into shared quantisations and ``fp8_linear_q``
     (see the module docstring)."""
@@ -69,9 +86,12 @@ def share_fp8_quantization(gm: fx.GraphModule) -> fx.GraphModule:
                 made[key] = _quantize_node(g, node, t, recipe, groups)
             operands.extend(made[key])
         with g.inserting_before(node):
-            new = g.call_function(fp8_linear_q, (x, w, b, recipe, group, split, *operands))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
+            x2 = _view(g, x, (-1, _val(x).shape[-1]), node) if _val(x).dim() != 2 else x
+            new = g.call_function(fp8_linear_q, (x2, w, b, recipe, group, split, *operands))
+            new.meta.update(node.meta)
+            new.meta["val"] = _val(node).reshape(-1, _val(node).shape[-1])
+            out = _view(g, new, tuple(_val(node).shape), node) if _val(node).dim() != 2 else new
+        node.replace_all_uses_with(out)
         g.erase_node(node)
     g.lint()
     gm.recompile()
