@@ -5,8 +5,9 @@ Falcon (``x @ W.T``): what became FP8, what stayed and why (LM head, alignment, 
 to an embedding), the policies, after the tensor-parallel rewrite. Training: one step equal to a hand-written
 FP8 model (tests/fp8_reference.py), ten AdamW steps that learn, numbers that differ from fp32
 (a pass that silently did nothing fails), the dump. Tensor parallelism on gloo: the FP8
-program at tp=2, with and without sequence parallelism, gives the loss and gradients of the
-same program at world size 1, all through ``parallelize(precision="fp8")``.
+program at tp=2, with and without sequence parallelism, and at pp=2 (1F1B, GPipe; 2
+microbatches) gives the loss and gradients of the same program at world size 1, all through
+``parallelize(precision="fp8")``.
 """
 import copy
 
@@ -30,7 +31,7 @@ from tests.families import FAMILIES, make_batch
 from tests.fp8_reference import RECIPE_NAMES, hand_fp8
 from tests.helpers import transform
 from tests.workers.common import rel_err
-from tests.workers.fp8 import fp8_tp, one_step
+from tests.workers.fp8 import fp8_pp, fp8_tp, one_step
 
 aten = torch.ops.aten
 
@@ -223,6 +224,32 @@ def test_tp2_is_the_world_size_1_program():
                 assert not bad, (where, bad)
 
 
+
+
+PP_CASES = [("gpt", "tensorwise", "1f1b"), ("llama", "rowwise", "gpipe")]
+
+
+def test_pp2_is_the_world_size_1_program():
+    """Pipeline stages with FP8 linears (2 microbatches) give the loss and gradients of the same
+    program in one process with the same microbatches: a weight lives whole on its stage, and
+    each microbatch's activations are quantised alike in both."""
+    per_rank = run_distributed(fp8_pp, 2, PP_CASES)
+    for name, recipe, schedule in PP_CASES:
+        batch = models.batch(name, seed=7, batch_size=4)
+        pm = fxmegatron.parallelize(models.build(name, n_layer=4), None, batch, microbatches=2, precision="fp8",
+                                    fp8_recipe=recipe)
+        loss1 = pm.train_step(batch).item()
+        grads1 = pm.full_grads()
+        scale = 0.01 * max(g.abs().max().item() for g in grads1.values())
+        seen = set()
+        for rank, res in enumerate(per_rank):
+            loss2, grads2 = res[(name, recipe, schedule)]
+            where = (name, recipe, schedule, f"rank {rank}")
+            assert abs(loss2 - loss1) <= 1e-5 * abs(loss1), (where, loss2, loss1)
+            bad = {n: e for n, g in grads2.items() if (e := rel_err(g, grads1[n], scale)) > 1e-4}
+            assert not bad, (where, bad)
+            seen |= grads2.keys()
+        assert seen == grads1.keys()            # the two stages hold every parameter between them
 
 
 def test_parallelize_names_a_bad_precision_recipe_or_combination():

@@ -30,3 +30,20 @@ def fp8_tp(rank, world, layouts):
             n_quant_amax = sum(1 for n in amax if n.target is quantize_operand)
             out[(name, recipe, sp)] = one_step(pm, name) + (n_fp8, len(amax) - n_quant_amax, n_quant, n_quant_amax)
     return out
+
+
+def fp8_pp(rank, world, cases):
+    """{(name, recipe, schedule): (loss, this rank's whole gradients)} of one ``train_step`` at
+    pp=2 (tp = world / 2) with 2 microbatches, for ``cases``: [(name, recipe, schedule), ...]."""
+    import fxmegatron
+    from tests.workers.common import pp_mesh
+
+    mesh = pp_mesh(world, 2)
+    out = {}
+    for name, recipe, schedule in cases:
+        batch = models.batch(name, seed=7, batch_size=4)
+        pm = fxmegatron.parallelize(models.build(name, n_layer=4), mesh, batch, microbatches=2, schedule=schedule,
+                                    precision="fp8", fp8_recipe=recipe)
+        loss = pm.train_step(batch)
+        out[(name, recipe, schedule)] = (loss.item(), {n: g.clone() for n, g in pm.full_grads().items()})
+    return out
