@@ -265,7 +265,7 @@ def test_parallelize_names_a_bad_precision_recipe_or_combination():
 
 def test_the_fp8_report_lists_every_fp8_linear_with_its_operands_numbers():
     """``pm.fp8_report(batch)``: a row per FP8 linear (inside recomputed regions too), the
-    amaxes of x and w as the model has them, and what FP8 does to them: a weight with one
+    amaxes of x, w and dy as the model has them (no parameter gradient left behind), and what FP8 does to them: a weight with one
     huge outlier has most of its entries flushed to zero, which the report shows."""
     from fxmegatron.runtime.fp8_report import format_report
     model, batch = models.build("llama", n_layer=1), models.batch("llama")
@@ -276,6 +276,14 @@ def test_the_fp8_report_lists_every_fp8_linear_with_its_operands_numbers():
     row = next(r for r in rows if r["module"].endswith("q_proj"))
     assert row["w"]["amax"] == pytest.approx(q.abs().max().item()) and row["w"]["underflow"] == 0
     assert 0 < row["w"]["rel_error"] < 0.05 and row["x"]["saturated"] > 0
+    # dy: the gradient of the loss at q_proj's output, as the unmodified model (in eval mode) has it
+    ref = copy.deepcopy(model).eval()
+    seen = []
+    ref.model.layers[0].self_attn.q_proj.register_full_backward_hook(lambda m, gi, go: seen.append(go[0]))
+    models.call(ref, batch).backward()
+    assert row["dy"]["amax"] == pytest.approx(seen[0].abs().max().item(), rel=0.05)
+    assert row["dy"]["underflow"] < 0.05 and 0 < row["dy"]["rel_error"] < 0.2
+    assert all(r["dy"] is not None for r in rows) and all(p.grad is None for p in pm.parameters())
     with torch.no_grad():
         q[0, 0] = 1e6                                   # one outlier sets the tensor's scale
     pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, precision="fp8")

@@ -185,11 +185,11 @@ class ParallelModel(nn.Module):
                 mod.training = training
 
     def fp8_report(self, *args, **kwargs) -> List[dict]:
-        """Per FP8 linear (``precision="fp8"``), from one forward of a batch without grad: the
-        amax of its input and weight, the share of each that FP8 flushes to zero or saturates,
-        and the relative error of the dequantised operand (``runtime.fp8_report``;
-        ``format_report`` prints it). Collective over tp, like a forward. Not for a pipelined
-        program."""
+        """Per FP8 linear (``precision="fp8"``), from one forward of a batch and one gradient of
+        its loss (eval mode; no parameter's ``.grad`` changes): the amax of its input, weight and
+        output gradient ``dy``, the share of each that FP8 flushes to zero or saturates, and the
+        relative error of the dequantised operand (``runtime.fp8_report``; ``format_report``
+        prints it). Collective over tp, like a training step. Not for a pipelined program."""
         from fxmegatron.runtime.fp8_report import fp8_report
         if self.program.pipeline is not None:
             raise RuntimeError("fp8_report() runs the whole graph on one rank; this program is split into pipeline "
