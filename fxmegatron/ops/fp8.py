@@ -172,7 +172,7 @@ def _emulated_cast(x2: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool) -> 
     return saturate(x2.float() * inv, dtype).contiguous(), inv.reciprocal()
 
 
-def _group(r: Recipe, group: str, split: str, rows: str) -> str:
+def amax_group(r: Recipe, group: str, split: str, rows: str) -> str:
     """The group to max-reduce an amax over (see the module docstring): all of them, but a
     per-row amax whose rows (``rows``: which GEMM dim they index) are split over the ranks."""
     return "" if r.rowwise and rows == split else group
@@ -212,7 +212,8 @@ def emulated_mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.d
     return out.to(out_dtype)
 
 
-def _scaled_gemm(a, sa, b, sb, out_dtype, fast_accum, bias=None, shape=None) -> Tensor:
+def fp8_gemm(a, sa, b, sb, out_dtype, fast_accum, bias=None, shape=None) -> Tensor:
+    """``scaled_mm`` on CUDA (refusing a GPU without FP8), ``emulated_mm`` elsewhere."""
     if a.is_cuda:
         check_fp8_device(a.device)
         return scaled_mm(a, sa, b, sb, out_dtype, fast_accum, bias, shape)
@@ -221,16 +222,16 @@ def _scaled_gemm(a, sa, b, sb, out_dtype, fast_accum, bias=None, shape=None) -> 
 
 def _forward(x: Tensor, w: Tensor, b: Optional[Tensor], recipe: str, group: str, split: str) -> Tensor:
     r = recipe_of(recipe)
-    qx, sx = quantize(x, r, E4M3, _group(r, group, split, "tokens"))
-    qw, sw = quantize(w, r, E4M3, _group(r, group, split, "out"))
-    return _scaled_gemm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum[0], b, (*x.shape[:-1], w.shape[0]))
+    qx, sx = quantize(x, r, E4M3, amax_group(r, group, split, "tokens"))
+    qw, sw = quantize(w, r, E4M3, amax_group(r, group, split, "out"))
+    return fp8_gemm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum[0], b, (*x.shape[:-1], w.shape[0]))
 
 
 def _backward(dy: Tensor, x: Tensor, w: Tensor, recipe: str, group: str, split: str) -> Tuple[Tensor, Tensor]:
     r = recipe_of(recipe)
     x2 = x.reshape(-1, x.shape[-1])
-    qxt, sxt = quantize(x2.t(), r, E4M3, _group(r, group, split, "in"))
-    qwt, swt = quantize(w.t(), r, E4M3, _group(r, group, split, "in"))
+    qxt, sxt = quantize(x2.t(), r, E4M3, amax_group(r, group, split, "in"))
+    qwt, swt = quantize(w.t(), r, E4M3, amax_group(r, group, split, "in"))
     return backward_gemms(dy, qxt, sxt, qwt, swt, r, group, split, x.dtype, w.dtype)
 
 
@@ -241,11 +242,11 @@ def backward_gemms(dy: Tensor, qxt: Tensor, sxt: Tensor, qwt: Tensor, swt: Tenso
     dy2 = dy.reshape(-1, dy.shape[-1])
     # grad_x = dy @ w: dy per row (token), w per column (in feature), both along out features;
     # grad_w = dyᵀ @ x: dyᵀ per row (out feature), x per column (in feature), both along tokens
-    qdy, sdy, qdyt, sdyt = quantize_pair(dy2, r, r.grad_dtype, _group(r, group, split, "tokens"),
-                                         _group(r, group, split, "out"))
-    grad_x = _scaled_gemm(qdy, sdy, qwt.t(), swt.t(), x_dtype, r.fast_accum[1],
+    qdy, sdy, qdyt, sdyt = quantize_pair(dy2, r, r.grad_dtype, amax_group(r, group, split, "tokens"),
+                                         amax_group(r, group, split, "out"))
+    grad_x = fp8_gemm(qdy, sdy, qwt.t(), swt.t(), x_dtype, r.fast_accum[1],
                           shape=None if dy.dim() == 2 else (*dy.shape[:-1], qwt.shape[0]))
-    grad_w = _scaled_gemm(qdyt, sdyt, qxt.t(), sxt.t(), w_dtype, r.fast_accum[2])
+    grad_w = fp8_gemm(qdyt, sdyt, qxt.t(), sxt.t(), w_dtype, r.fast_accum[2])
     return grad_x, grad_w
 
 

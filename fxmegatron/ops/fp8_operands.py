@@ -19,15 +19,15 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from fxmegatron.ops.fp8 import E4M3, _group, _scaled_gemm, backward_gemms, quantize_pair, recipe_of
+from fxmegatron.ops.fp8 import E4M3, amax_group, backward_gemms, fp8_gemm, quantize_pair, recipe_of
 
 
 def operand_groups(recipe: str, tp_group: str, split: str, role: str) -> Tuple[str, str]:
     """The groups ``fp8_quantize`` max-reduces the amaxes of an operand's rows and of its
-    columns over: x is [tokens, in], w is [out, in] (see ``ops.fp8._group``)."""
+    columns over: x is [tokens, in], w is [out, in] (see ``ops.fp8.amax_group``)."""
     r = recipe_of(recipe)
     rows = {"x": "tokens", "w": "out"}[role]
-    return _group(r, tp_group, split, rows), _group(r, tp_group, split, "in")
+    return amax_group(r, tp_group, split, rows), amax_group(r, tp_group, split, "in")
 
 
 @torch.library.triton_op("fxmegatron::fp8_quantize", mutates_args=())
@@ -44,7 +44,7 @@ def fp8_linear_q_op(x: Tensor, w: Tensor, b: Optional[Tensor], recipe: str, tp_g
     """``fp8_linear(x, w, b, ...)`` of a 2-D x from ``fp8_quantize(x)`` and ``fp8_quantize(w)``:
     x and w themselves only give the output its dtype and take the gradients."""
     r = recipe_of(recipe)
-    return _scaled_gemm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum[0], b)
+    return fp8_gemm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum[0], b)
 
 
 @torch.library.triton_op("fxmegatron::fp8_linear_q_backward", mutates_args=())
