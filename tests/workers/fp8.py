@@ -47,3 +47,13 @@ def fp8_pp(rank, world, cases):
         loss = pm.train_step(batch)
         out[(name, recipe, schedule)] = (loss.item(), {n: g.clone() for n, g in pm.full_grads().items()})
     return out
+
+
+def fp8_tp_compiled(rank, world, name, recipe):
+    """(loss, whole gradients) of one step at tp=world with sequence parallelism and
+    ``compile=True``: torch.compile traces the FP8 triton_ops, amax all-reduces included."""
+    import fxmegatron
+
+    pm = fxmegatron.parallelize(models.build(name), tp_mesh(world), models.batch(name), sequence_parallel=True,
+                                precision="fp8", fp8_recipe=recipe, compile=True)
+    return one_step(pm, name)
