@@ -3,7 +3,8 @@ its input and weight and an ``fp8_linear_q`` over them (``fxmegatron.ops.fp8_ope
 
 Linears that read the same activation with the same recipe and amax groups (q, k and v of
 one attention; gate and up of one MLP) share one ``fp8_quantize`` node, placed before the
-first of them (``fp8_linear_q`` takes x as [tokens, in]: reshapes around it, as linear's own): the activation is read once for FP8 in forward, and its transposed copy,
+first of them (``fp8_linear_q`` takes x as [tokens, in]: reshapes around it, as linear's
+own): the activation is read once for FP8 in forward, and its transposed copy,
 which the weight gradients read, is written in that same pass instead of being cast again
 from the saved high-precision input in backward. The program's values do not change: each
 linear's operands are the FP8 bytes ``fp8_linear`` would make (same amax, same scale).
@@ -22,7 +23,7 @@ from typing import Dict, Tuple
 import torch
 import torch.fx as fx
 
-from fxmegatron.ops.fp8 import fp8_linear
+from fxmegatron.ops.fp8 import fp8_linear, recipe_of
 from fxmegatron.ops.fp8_operands import fp8_linear_q, operand_groups, quantize_operand
 
 aten = torch.ops.aten
@@ -38,7 +39,7 @@ def _quantize_node(g: fx.Graph, before: fx.Node, x: fx.Node, recipe: str, groups
         d.meta["val"] = val
         k = val.shape[-1]
         m = val.numel() // max(k, 1)
-        rowwise = recipe == "rowwise"
+        rowwise = recipe_of(recipe).rowwise
         shapes = ((m, k), (m, 1) if rowwise else (), (k, m), (k, 1) if rowwise else ())
         dtypes = (torch.float8_e4m3fn, torch.float32) * 2
         vals = tuple(val.new_empty(s, dtype=t) for s, t in zip(shapes, dtypes))
@@ -46,10 +47,15 @@ def _quantize_node(g: fx.Graph, before: fx.Node, x: fx.Node, recipe: str, groups
         for o, v in zip(outs, vals):
             o.meta["val"] = v
     for n in (d, q, *outs):
-        for key in ("stack_trace", "nn_module_stack"):
-            if key in before.meta:
-                n.meta[key] = before.meta[key]
+        _where(n, before)
     return outs
+
+
+def _where(n: fx.Node, like: fx.Node) -> None:
+    """``n`` reports ``like``'s source line and module path (the dump, errors)."""
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in like.meta:
+            n.meta[key] = like.meta[key]
 
 
 def _val(n: fx.Node) -> torch.Tensor:
@@ -63,9 +69,7 @@ def _view(g: fx.Graph, n: fx.Node, shape, like: fx.Node) -> fx.Node:
     """``n`` reshaped (a view where strides allow, as linear's own flattening is)."""
     v = g.call_function(aten.reshape.default, (n, list(shape)))
     v.meta["val"] = _val(n).reshape(shape)
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in like.meta:
-            v.meta[key] = like.meta[key]
+    _where(v, like)
     return v
 
 
