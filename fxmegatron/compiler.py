@@ -24,6 +24,7 @@ from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from fxmegatron.passes.fp8 import apply_fp8
+from fxmegatron.passes.fp8_gather import gather_in_fp8
 from fxmegatron.passes.fp8_share import share_fp8_quantization
 from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
@@ -119,6 +120,8 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) ->
         passes.append(Pass("fp8", lambda gm: apply_fp8(gm, cfg.fp8_policy, cfg.fp8_recipe, group),
                            requires={"local_shapes"}, ensures={"fp8"}))
         passes.append(Pass("fp8_share", share_fp8_quantization, requires={"fp8"}))
+        # sequence gathers that only FP8 linears read move FP8 bytes (before tp_overlap claims them)
+        passes.append(Pass("fp8_gather", gather_in_fp8, requires={"fp8"}))
     if cfg.tp_comm_overlap and tp.size > 1:
         passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
                            requires={"local_shapes"}))

@@ -5,7 +5,8 @@ Falcon (``x @ W.T``): what became FP8, what stayed and why (LM head, alignment, 
 to an embedding), the policies, after the tensor-parallel rewrite. Training: one step equal to a hand-written
 FP8 model (tests/fp8_reference.py), ten AdamW steps that learn, numbers that differ from fp32
 (a pass that silently did nothing fails), the dump. Tensor parallelism on gloo: the FP8
-program at tp=2, with and without sequence parallelism, and at pp=2 (1F1B, GPipe; 2
+program at tp=2, with and without sequence parallelism (the sequence gathers in FP8:
+``passes/fp8_gather.py``), and at pp=2 (1F1B, GPipe; 2
 microbatches) gives the loss and gradients of the same program at world size 1, all through
 ``parallelize(precision="fp8")``.
 """
@@ -214,11 +215,13 @@ def test_tp2_is_the_world_size_1_program():
             loss1, grads1 = one_step(pm, name)
             scale = 0.01 * max(g.abs().max().item() for g in grads1.values())
             for rank, res in enumerate(per_rank):
-                loss2, grads2, n_fp8, n_amax, n_quant, n_quant_amax = res[(name, recipe, sp)]
+                loss2, grads2, n_fp8, n_amax, n_quant, n_quant_amax, n_gather = res[(name, recipe, sp)]
                 where = (name, recipe, f"sp={sp}", f"rank {rank}")
                 # every linear reduces dy's amaxes, every quantisation its operand's
                 assert n_fp8 == n_amax == FP8_COUNT[name], (where, n_fp8, n_amax)
-                assert n_quant == n_quant_amax > FP8_COUNT[name], (where, n_quant, n_quant_amax)
+                assert n_quant == n_quant_amax and n_quant + n_gather > FP8_COUNT[name], (where, n_quant, n_quant_amax)
+                # with sp, the attention's and the MLP's input of each of the 2 layers are gathered in FP8
+                assert n_gather == (4 if sp else 0), (where, n_gather)
                 assert abs(loss2 - loss1) <= 1e-5 * abs(loss1), (where, loss2, loss1)
                 bad = {n: e for n, g in grads1.items() if (e := rel_err(grads2[n], g, scale)) > 1e-4}
                 assert not bad, (where, bad)

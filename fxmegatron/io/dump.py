@@ -11,11 +11,12 @@ from fxmegatron.capture import module_path
 from fxmegatron.ops.collectives import COLLECTIVES
 from fxmegatron.ops.context_parallel import CP_COLLECTIVES, attention_steps
 from fxmegatron.ops.fp8 import FP8_COLLECTIVES
+from fxmegatron.ops.fp8_gather import FP8_GATHER_COLLECTIVES
 from fxmegatron.ops.fp8_operands import FP8_OPERAND_COLLECTIVES
 from fxmegatron.ops.overlapped_linear import OVERLAPPED_COLLECTIVES
 from fxmegatron.ops.vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
 
-FP8_COMMS = {**FP8_COLLECTIVES, **FP8_OPERAND_COLLECTIVES}
+FP8_COMMS = {**FP8_COLLECTIVES, **FP8_OPERAND_COLLECTIVES, **FP8_GATHER_COLLECTIVES}
 
 
 def collective_nodes(gm: fx.GraphModule):

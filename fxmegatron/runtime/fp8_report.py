@@ -18,7 +18,9 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.capture import module_path
+from fxmegatron.ops.collectives import all_gather_seq, gather_seq
 from fxmegatron.ops.fp8 import E4M3, fp8_linear, quantize, recipe_of
+from fxmegatron.ops.fp8_gather import fp8_gathered_input, fp8_gathered_whole_input
 from fxmegatron.ops.fp8_operands import fp8_linear_q
 
 
@@ -43,6 +45,10 @@ class _Recorder(fx.Interpreter):
         self.outputs: List[torch.Tensor] = []       # each row's linear output, for its dy
 
     def run_node(self, n: fx.Node):
+        if n.op == "call_function" and n.target in (fp8_gathered_input, fp8_gathered_whole_input):
+            # the linears' x as the model has it (the program gathers it only in FP8)
+            gather = gather_seq if n.target is fp8_gathered_input else all_gather_seq
+            return gather(*self.fetch_args_kwargs_from_env(n)[0])
         out = super().run_node(n)
         if n.op == "call_function" and n.target in (fp8_linear, fp8_linear_q):     # same first six args
             x, w = self.env[n.args[0]], self.env[n.args[1]]

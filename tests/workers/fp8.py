@@ -12,10 +12,11 @@ def one_step(pm, name):
 
 def fp8_tp(rank, world, layouts):
     """{(name, recipe, sp): (loss, grads, FP8 linears, those the dump lists as collectives, FP8
-    quantisations, those the dump lists)}
+    quantisations, those the dump lists, sequence gathers in FP8)}
     at tp=world, for ``layouts``: {name: [(recipe, sequence_parallel), ...]}."""
     import fxmegatron
     from fxmegatron.io.dump import collective_nodes
+    from fxmegatron.ops.fp8_gather import gather_quantize_operand
     from fxmegatron.ops.fp8_operands import quantize_operand
 
     mesh = tp_mesh(world)
@@ -28,7 +29,9 @@ def fp8_tp(rank, world, layouts):
             amax = [n for n, k in collective_nodes(pm.graph_module) if k == "fp8_amax"]
             n_quant = sum(1 for n in pm.graph_module.graph.nodes if n.target is quantize_operand)
             n_quant_amax = sum(1 for n in amax if n.target is quantize_operand)
-            out[(name, recipe, sp)] = one_step(pm, name) + (n_fp8, len(amax) - n_quant_amax, n_quant, n_quant_amax)
+            n_gather = sum(1 for n in pm.graph_module.graph.nodes if n.target is gather_quantize_operand)
+            out[(name, recipe, sp)] = one_step(pm, name) + (n_fp8, len(amax) - n_quant_amax, n_quant, n_quant_amax,
+                                                            n_gather)
     return out
 
 
@@ -57,3 +60,37 @@ def fp8_tp_compiled(rank, world, name, recipe):
     pm = fxmegatron.parallelize(models.build(name), tp_mesh(world), models.batch(name), sequence_parallel=True,
                                 precision="fp8", fp8_recipe=recipe, compile=True)
     return one_step(pm, name)
+
+
+def tp2_sp_graphs(rank, world, cases):
+    """{(name, policy): (gathers in FP8, what each bf16 gather's node says, kinds of collectives,
+    FP8 linears reading a gathered input, the x amax of each FP8 linear by ``fp8_report``)} of this rank's graph at tp=world with sequence
+    parallelism, for ``cases``: [(name, fp8_policy), ...]."""
+    import torch
+
+    import fxmegatron
+    from fxmegatron.io.dump import collective_nodes
+    from fxmegatron.ops.collectives import all_gather_seq, gather_seq
+    from fxmegatron.ops.fp8_gather import fp8_gathered_input, fp8_gathered_whole_input, gather_quantize_operand
+    from fxmegatron.ops.fp8_operands import fp8_linear_q
+
+    from tests.test_fp8_pass import model_and_batch
+
+    out = {}
+    for name, policy in cases:
+        model, batch = model_and_batch(name)
+        pm = fxmegatron.parallelize(model, tp_mesh(world), batch, sequence_parallel=True, precision="fp8",
+                                    fp8_policy=policy)
+        nodes = list(pm.graph_module.graph.nodes)
+        n_fp8 = sum(1 for n in nodes if n.target is gather_quantize_operand)
+        bf16 = [n.meta.get("fp8", "") for n in nodes if n.target in (gather_seq, all_gather_seq)]
+        kinds = sorted({k for _, k in collective_nodes(pm.graph_module)})
+
+        proxies = (fp8_gathered_input, fp8_gathered_whole_input)
+
+        def gathered(n):
+            return n.target in proxies or (n.target is torch.ops.aten.reshape.default and n.args[0].target in proxies)
+        readers = sum(1 for n in nodes if n.target is fp8_linear_q and gathered(n.args[0]))
+        x_amax = {r["module"]: r["x"]["amax"] for r in pm.fp8_report(batch)}
+        out[(name, policy)] = (n_fp8, bf16, kinds, readers, x_amax)
+    return out

@@ -1,0 +1,115 @@
+"""Sequence parallelism's gathers in FP8: a ``gather_seq`` whose every reader is an FP8 linear
+(through ``fp8_share``'s quantisation and ``fp8_linear_q``) gathers FP8 bytes instead of
+bf16 (``fxmegatron.ops.fp8_gather``).
+
+The rewrite, for ``g = gather_seq(x, dim, world, group)`` (or ``all_gather_seq``, whose
+gradient is whole on every rank):
+
+* the one ``fp8_quantize(detach(g))`` becomes ``fp8_gather_quantize(detach(x), dim, world,
+  group)``: the same four FP8 operands, quantised on the shard and gathered;
+* ``g`` itself, which the linears then read only for its dtype and gradient, becomes
+  ``fp8_gathered_input(x, ...)``: no forward communication, the gather's backward
+  (reduce-scatter; ``fp8_gathered_whole_input``: the local slice).
+
+Preconditions, each checked, else the gather stays bf16 and its node says why
+(``meta["fp8"]``, in the dump): the graph went through ``fp8_share`` (run after it); every
+user of ``g`` is ``detach`` → ``fp8_quantize`` (exactly one such quantisation) or ``fp8_linear_q``'s
+input (directly or through a reshape that only it reads); the quantisation's amax groups
+are ``group`` or none (``g`` is the same on every rank of ``group``, so its amaxes are too);
+the gathered dim is not the last (a row, one token's features, lives on one rank).
+"""
+from __future__ import annotations
+
+import operator
+from typing import List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.ops.collectives import all_gather_seq, gather_seq
+from fxmegatron.ops.fp8_gather import fp8_gathered_input, fp8_gathered_whole_input, gather_quantize_operand
+from fxmegatron.ops.fp8_operands import fp8_linear_q, quantize_operand
+
+aten = torch.ops.aten
+
+
+def _reads_as_input(user: fx.Node, g: fx.Node) -> bool:
+    """``user`` is fp8_linear_q with ``g`` as its x only, or a reshape of ``g`` that only such reads."""
+    if user.target is fp8_linear_q:
+        return user.args[0] is g and g not in user.args[1:]
+    return (user.target is aten.reshape.default and user.args[0] is g and bool(user.users)
+            and all(_reads_as_input(u, user) for u in user.users))
+
+
+def _args(g: fx.Node) -> Tuple[fx.Node, int, int, int, str]:
+    """(x, dim, rank, world, group) of ``gather_seq`` (rank -1) or ``all_gather_seq``."""
+    if g.target is gather_seq:
+        x, dim, world, group = g.args[:4]
+        return x, dim, -1, world, group
+    return tuple(g.args[:5])
+
+
+def _plan(g: fx.Node) -> Tuple[Optional[fx.Node], str]:
+    """(the quantisation to replace, "") or (None, why the gather stays bf16)."""
+    x, dim, _, world, group = _args(g)
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or dim % val.dim() == val.dim() - 1:
+        return None, "bf16 gather: not over tokens"
+    quants: List[fx.Node] = []
+    for u in g.users:
+        if u.target is aten.detach.default and u.users and all(v.target is quantize_operand for v in u.users):
+            quants.extend(u.users)
+        elif not _reads_as_input(u, g):
+            return None, f"bf16 gather: {u.name} reads the gathered values"
+    if len(quants) != 1:
+        return None, f"bf16 gather: {len(quants)} FP8 quantisations of it (one expected)"
+    q = quants[0]
+    if set(q.args[2:4]) - {"", group}:
+        return None, f"bf16 gather: {q.name} reduces its amaxes over {q.args[2:4]}, not the gather's {group!r}"
+    return q, ""
+
+
+def _copy_where(n: fx.Node, like: fx.Node) -> None:
+    for key in ("stack_trace", "nn_module_stack", "placement", "tp_rule"):
+        if key in like.meta:
+            n.meta[key] = like.meta[key]
+
+
+def gather_in_fp8(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite every sequence gather that only FP8 linears read (see the module docstring)."""
+    g = gm.graph
+    for node in [n for n in g.nodes if n.op == "call_function" and n.target in (gather_seq, all_gather_seq)]:
+        q, why = _plan(node)
+        if q is None:
+            if any(u.target is aten.detach.default and any(v.target is quantize_operand for v in u.users)
+                   for u in node.users):        # FP8 linears read it: say why their input stays bf16
+                node.meta["fp8"] = why
+            continue
+        x, dim, rank, world, group = _args(node)
+        recipe = q.args[1]
+        with g.inserting_before(node):
+            d = g.call_function(aten.detach.default, (x,))
+            gq = g.call_function(gather_quantize_operand, (d, recipe, dim, world, group))
+            outs = [g.call_function(operator.getitem, (gq, i)) for i in range(4)]
+            proxy = (g.call_function(fp8_gathered_input, (x, dim, world, group)) if rank < 0 else
+                     g.call_function(fp8_gathered_whole_input, (x, dim, rank, world, group)))
+        d.meta["val"] = x.meta["val"]
+        gq.meta["val"] = q.meta.get("val")
+        for i, o in enumerate(outs):
+            o.meta["val"] = q.meta["val"][i] if isinstance(q.meta.get("val"), tuple) else None
+        proxy.meta["val"] = node.meta.get("val")
+        for n in (d, gq, *outs, proxy):
+            _copy_where(n, node)
+        gq.meta["fp8"] = f"gathered in FP8 ({recipe}): the shard quantised, its FP8 bytes gathered"
+        proxy.meta["fp8"] = f"no forward gather: {gq.name} carries the values in FP8; reduce-scatter backward"
+        for item in list(q.users):
+            item.replace_all_uses_with(outs[item.args[1]])
+            g.erase_node(item)
+        old_detach = q.args[0]
+        g.erase_node(q)
+        g.erase_node(old_detach)
+        node.replace_all_uses_with(proxy)
+        g.erase_node(node)
+    g.lint()
+    gm.recompile()
+    return gm
