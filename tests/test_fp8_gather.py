@@ -30,11 +30,19 @@ def _on_ranks(fn, world=2):
         return list(pool.map(lambda r: fn(r, group.name(r)), range(world)))
 
 
+_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _FP8_GPU,
+                                                                                reason="needs an sm_89+ GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 @pytest.mark.parametrize("dim", [0, 1])
-def test_gathering_fp8_shards_is_quantising_the_gathered_tensor(recipe, dim):
+def test_gathering_fp8_shards_is_quantising_the_gathered_tensor(recipe, dim, device):
+    """On CUDA the shard goes through the Triton cast kernel, the reference through the same
+    kernel on the gathered tensor."""
     g = torch.Generator().manual_seed(1)
-    whole = (torch.randn(4, 6, 32, generator=g) * torch.linspace(0.01, 30, 32)).bfloat16()
+    whole = (torch.randn(4, 6, 32, generator=g) * torch.linspace(0.01, 30, 32)).bfloat16().to(device)
     whole[1, 2] *= 200                         # one token far larger than the rest: row scales differ
     want = fp8_quantize(whole, recipe, "", "")
     shards = whole.chunk(2, dim)

@@ -4,7 +4,8 @@
 On the bundled GPT, HF Llama, GPT-2 (Conv1D) and Falcon (``x @ W.T``): q, k and v (and
 gate and up) read one quantised copy of their input, every other operand has its own, and
 the program computes the same bits as before the pass: loss and every gradient equal,
-forward and backward, both recipes (the CPU emulation rounds exactly as the GPU path).
+forward and backward, both recipes (the CPU emulation rounds exactly as the GPU path); and
+the same bits on every HF family of tests/families.py.
 """
 import copy
 from collections import Counter
@@ -18,6 +19,7 @@ from fxmegatron.ops.fp8_operands import fp8_linear_q, quantize_operand
 from fxmegatron.passes.fp8 import apply_fp8
 from fxmegatron.passes.fp8_share import share_fp8_quantization
 from fxmegatron.passes.runner import check_shapes
+from tests.families import FAMILIES, make_batch
 from tests.test_fp8_pass import FP8_COUNT, model_and_batch
 
 aten = torch.ops.aten
@@ -91,3 +93,24 @@ def test_the_shared_program_computes_the_same_bits(name, recipe):
     assert grads0.keys() == grads1.keys() and len(grads0) > FP8_COUNT[name]
     bad = [k for k in grads0 if not torch.equal(grads0[k], grads1[k])]
     assert not bad, bad
+
+
+# Every HF family of tests/families.py (the rule was written from GPT, Llama, GPT-2 and Falcon),
+# both recipes (under half a second a case)
+SWEEP = [(name, recipe) for name in FAMILIES for recipe in ("tensorwise", "rowwise")]
+
+
+@pytest.mark.parametrize("name,recipe", SWEEP)
+def test_every_family_computes_the_same_bits_after_sharing(name, recipe):
+    model, batch = FAMILIES[name].build(), make_batch(FAMILIES[name], 3)
+    cap = capture(model, batch)
+    apply_fp8(cap.gm, "all", recipe)
+    before = copy.deepcopy(cap.gm)
+    share_fp8_quantization(cap.gm)
+    inputs = [t.clone() if isinstance(t, torch.Tensor) else t for t in cap.example_inputs]
+    loss0, grads0 = _run(before, inputs)
+    loss1, grads1 = _run(cap.gm, inputs)
+    n_fp8 = sum(1 for n in cap.gm.graph.nodes if n.target is fp8_linear_q)
+    assert n_fp8 > 0 and torch.equal(loss0, loss1), (name, n_fp8, loss0, loss1)
+    bad = [k for k in grads0 if not torch.equal(grads0[k], grads1.get(k, torch.empty(0)))]
+    assert grads0.keys() == grads1.keys() and not bad, (name, bad)
