@@ -21,7 +21,8 @@ from tests import models
 from tests.fp8_reference import RECIPE_NAMES
 from tests.test_fp8_pass import model_and_batch
 from tests.distributed import run_distributed
-from tests.workers.fp8 import tp2_sp_graphs
+from tests.workers.common import rel_err
+from tests.workers.fp8 import family_step, fp8_sp_families, tp2_sp_graphs
 
 
 def _on_ranks(fn, world=2):
@@ -109,3 +110,24 @@ def test_under_sequence_parallelism_fp8_linears_read_gathered_fp8():
     assert fp8 == 0 and readers == 0 and sum("reads the gathered values" in why for why in bf16) == 2, bf16
     fp8, bf16, _, readers, _ = res[("gpt", "all")]
     assert fp8 == 4 and readers == 8, (fp8, bf16, readers)       # q/k/v (one fused linear? no: three) and fc
+
+
+# families the pass was not written from: Conv1D linears (gpt2), GQA with biased q/k/v (qwen2),
+# GeGLU with soft-capping (gemma2), parallel attention + MLP (falcon)
+SP_FAMILIES = [("gpt2", "tensorwise"), ("qwen2", "tensorwise"), ("gemma2", "rowwise"), ("falcon", "tensorwise")]
+
+
+def test_other_families_at_tp2_sp_are_the_world_size_1_program():
+    per_rank = run_distributed(fp8_sp_families, 2, SP_FAMILIES)
+    for name, recipe in SP_FAMILIES:
+        model, batch = model_and_batch(name)
+        loss1, grads1 = family_step(fxmegatron.parallelize(model, None, batch, precision="fp8", fp8_recipe=recipe),
+                                    name)
+        scale = 0.01 * max(g.abs().max().item() for g in grads1.values())
+        for rank, res in enumerate(per_rank):
+            loss2, grads2, n_gather = res[(name, recipe)]
+            where = (name, recipe, f"rank {rank}")
+            assert n_gather >= 2, (where, n_gather)         # at least one gather in FP8 per layer
+            assert abs(loss2 - loss1) <= 1e-5 * abs(loss1), (where, loss2, loss1)
+            bad = {n: e for n, g in grads1.items() if (e := rel_err(grads2[n], g, scale)) > 1e-4}
+            assert not bad, (where, bad)

@@ -13,8 +13,9 @@ gradient is whole on every rank):
 
 Preconditions, each checked, else the gather stays bf16 and its node says why
 (``meta["fp8"]``, in the dump): the graph went through ``fp8_share`` (run after it); every
-user of ``g`` is ``detach`` → ``fp8_quantize`` (exactly one such quantisation) or ``fp8_linear_q``'s
-input (directly or through a reshape that only it reads); the quantisation's amax groups
+reader of ``g``, or of a reshape of it that keeps its last dim or a ``copy_to_tp`` of it
+(GPT-2's linears read ``g`` flattened to [tokens, features], through f), is ``detach`` →
+``fp8_quantize`` (exactly one such quantisation) or ``fp8_linear_q``'s input; the quantisation's amax groups
 are ``group`` or none (``g`` is the same on every rank of ``group``, so its amaxes are too);
 the gathered dim is not the last (a row, one token's features, lives on one rank).
 """
@@ -26,19 +27,45 @@ from typing import List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from fxmegatron.ops.collectives import all_gather_seq, gather_seq
+from fxmegatron.ops.collectives import all_gather_seq, copy_to_tp, gather_seq
 from fxmegatron.ops.fp8_gather import fp8_gathered_input, fp8_gathered_whole_input, gather_quantize_operand
 from fxmegatron.ops.fp8_operands import fp8_linear_q, quantize_operand
 
 aten = torch.ops.aten
 
 
-def _reads_as_input(user: fx.Node, g: fx.Node) -> bool:
-    """``user`` is fp8_linear_q with ``g`` as its x only, or a reshape of ``g`` that only such reads."""
-    if user.target is fp8_linear_q:
-        return user.args[0] is g and g not in user.args[1:]
-    return (user.target is aten.reshape.default and user.args[0] is g and bool(user.users)
-            and all(_reads_as_input(u, user) for u in user.users))
+# what may stand between the gather and the FP8 linears: reshapes, and Megatron's f (identity
+# forward; its backward all-reduce stays where it is)
+VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, copy_to_tp)
+
+
+def _last_dim(n: fx.Node) -> int:
+    val = n.meta.get("val")
+    return val.shape[-1] if isinstance(val, torch.Tensor) and val.dim() else -1
+
+
+def _readers(n: fx.Node, k: int, quants: List[fx.Node]) -> str:
+    """Collect the FP8 quantisations of ``n`` (a gathered tensor, or a reshape of it that keeps
+    its last dim ``k``, so that its [tokens, k] rows are the gathered tensor's, or f of it) into ``quants``;
+    "" when every reader is one or an FP8 linear's input, else the name of one that is not."""
+    for u in n.users:
+        if u.target is aten.detach.default and u.users and all(v.target is quantize_operand for v in u.users):
+            quants.extend(u.users)
+        elif u.target is fp8_linear_q and u.args[0] is n and n not in u.args[1:]:
+            pass
+        elif u.target in VIEWS and u.args[0] is n and _last_dim(u) == k:
+            bad = _readers(u, k, quants)
+            if bad:
+                return bad
+        else:
+            return u.name
+    return ""
+
+
+def _quantized(n: fx.Node) -> bool:
+    """An FP8 quantisation reads ``n`` or a reshape of it."""
+    return any((u.target is aten.detach.default and any(v.target is quantize_operand for v in u.users))
+               or (u.target in VIEWS and _quantized(u)) for u in n.users)
 
 
 def _args(g: fx.Node) -> Tuple[fx.Node, int, int, int, str]:
@@ -56,11 +83,9 @@ def _plan(g: fx.Node) -> Tuple[Optional[fx.Node], str]:
     if not isinstance(val, torch.Tensor) or dim % val.dim() == val.dim() - 1:
         return None, "bf16 gather: not over tokens"
     quants: List[fx.Node] = []
-    for u in g.users:
-        if u.target is aten.detach.default and u.users and all(v.target is quantize_operand for v in u.users):
-            quants.extend(u.users)
-        elif not _reads_as_input(u, g):
-            return None, f"bf16 gather: {u.name} reads the gathered values"
+    bad = _readers(g, val.shape[-1], quants)
+    if bad:
+        return None, f"bf16 gather: {bad} reads the gathered values"
     if len(quants) != 1:
         return None, f"bf16 gather: {len(quants)} FP8 quantisations of it (one expected)"
     q = quants[0]
@@ -81,8 +106,7 @@ def gather_in_fp8(gm: fx.GraphModule) -> fx.GraphModule:
     for node in [n for n in g.nodes if n.op == "call_function" and n.target in (gather_seq, all_gather_seq)]:
         q, why = _plan(node)
         if q is None:
-            if any(u.target is aten.detach.default and any(v.target is quantize_operand for v in u.users)
-                   for u in node.users):        # FP8 linears read it: say why their input stays bf16
+            if _quantized(node):        # FP8 linears read it: say why their input stays bf16
                 node.meta["fp8"] = why
             continue
         x, dim, rank, world, group = _args(node)

@@ -94,3 +94,29 @@ def tp2_sp_graphs(rank, world, cases):
         x_amax = {r["module"]: r["x"]["amax"] for r in pm.fp8_report(batch)}
         out[(name, policy)] = (n_fp8, bf16, kinds, readers, x_amax)
     return out
+
+
+def family_step(pm, name):
+    """(loss, whole gradients) of one step of an HF family's model on its seed-7 batch."""
+    from tests.test_fp8_pass import model_and_batch
+    loss = pm(model_and_batch(name, seed=7)[1])
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    loss.backward()
+    return loss.item(), {n: g.clone() for n, g in pm.full_grads().items()}
+
+
+def fp8_sp_families(rank, world, cases):
+    """{(name, recipe): (loss, whole gradients, gathers in FP8)} of one step at tp=world with
+    sequence parallelism and FP8 linears, for ``cases``: [(HF family, recipe), ...]."""
+    import fxmegatron
+    from fxmegatron.ops.fp8_gather import gather_quantize_operand
+    from tests.test_fp8_pass import model_and_batch
+
+    out = {}
+    for name, recipe in cases:
+        model, batch = model_and_batch(name)
+        pm = fxmegatron.parallelize(model, tp_mesh(world), batch, sequence_parallel=True, precision="fp8",
+                                    fp8_recipe=recipe)
+        n_gather = sum(1 for n in pm.graph_module.graph.nodes if n.target is gather_quantize_operand)
+        out[(name, recipe)] = family_step(pm, name) + (n_gather,)
+    return out
