@@ -4,8 +4,9 @@ One forward of the rank's graph in which every FP8 linear also quantises its inp
 as the op does (the recipe, the tp group's amax) and compares the dequantised values with the
 originals, then one ``torch.autograd.grad`` of the loss with respect to the linears' outputs
 (no parameter's ``.grad`` is touched) for the backward's operand ``dy``, quantised in the
-recipe's gradient format (e5m2 tensorwise, e4m3 rowwise). Per linear: the amax of x and of w, how much of each
-the FP8 format flushes to zero (elements not zero that quantise to 0: underflow, the risk of
+recipe's gradient format (e5m2 tensorwise, e4m3 rowwise). Per linear: the amax of x, w and dy
+(under tensor parallelism, over the group: the whole operand's, which sets the scale), and, of
+this rank's part of each, how much the FP8 format flushes to zero (elements not zero that quantise to 0: underflow, the risk of
 a scale set by one large outlier), how much lands on the format's largest value
 (saturation: with a scale from the current amax only the amax itself does), and the
 relative error of the dequantised operand.
@@ -18,20 +19,23 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.capture import module_path
-from fxmegatron.ops.collectives import all_gather_seq, gather_seq
-from fxmegatron.ops.fp8 import E4M3, fp8_linear, quantize, recipe_of
+from fxmegatron.ops.collectives import all_gather_seq, all_reduce, gather_seq
+from fxmegatron.ops.fp8 import E4M3, amax_group, fp8_linear, quantize, recipe_of
 from fxmegatron.ops.fp8_gather import fp8_gathered_input, fp8_gathered_whole_input
 from fxmegatron.ops.fp8_operands import fp8_linear_q
 
 
-def _stats(t: torch.Tensor, recipe: str, group: str, dtype=E4M3) -> Dict[str, float]:
-    q, scale = quantize(t, recipe, dtype, group)
+def _stats(t: torch.Tensor, recipe: str, group: str, split: str, rows: str, dtype=E4M3) -> Dict[str, float]:
+    """``t``'s amax over the tp group (the whole operand's), and what quantising it as the op
+    does (``rows``: the GEMM dim its rows index, for the amax groups) does to this rank's part."""
+    q, scale = quantize(t, recipe, dtype, amax_group(recipe_of(recipe), group, split, rows))
     t2 = t.reshape(-1, t.shape[-1]).float()
     back = q.float() * scale
     nonzero = t2 != 0
     top = torch.finfo(dtype).max
+    amax = t2.abs().max().reshape(1)
     return {
-        "amax": float(t2.abs().max()),
+        "amax": float(all_reduce(amax, "max", group) if group else amax),
         "underflow": float(((q.float() == 0) & nonzero).sum()) / max(t2.numel(), 1),
         "saturated": float((q.float().abs() == top).sum()) / max(t2.numel(), 1),
         "rel_error": float((back - t2).norm() / t2.norm().clamp(min=1e-30)),
@@ -52,10 +56,11 @@ class _Recorder(fx.Interpreter):
         out = super().run_node(n)
         if n.op == "call_function" and n.target in (fp8_linear, fp8_linear_q):     # same first six args
             x, w = self.env[n.args[0]], self.env[n.args[1]]
-            recipe, group = n.args[3], n.args[4]
+            recipe, group, split = n.args[3], n.args[4], n.args[5]
             with torch.no_grad():
                 self.rows.append({"node": n.name, "module": module_path(n), "recipe": recipe_of(recipe).name,
-                                  "group": group, "x": _stats(x, recipe, group), "w": _stats(w, recipe, group)})
+                                  "group": (group, split), "x": _stats(x, recipe, group, split, "tokens"),
+                                  "w": _stats(w, recipe, group, split, "out")})
             self.outputs.append(out)
         return out
 
@@ -83,7 +88,7 @@ def fp8_report(gm: fx.GraphModule, flat_inputs) -> List[dict]:
     for row, o in zip(rec.rows, rec.outputs):
         dy = dys.get(id(o))
         r = recipe_of(row["recipe"])
-        row["dy"] = _stats(dy, r, row.pop("group"), r.grad_dtype) if dy is not None else None
+        row["dy"] = _stats(dy, r, *row.pop("group"), "tokens", r.grad_dtype) if dy is not None else None
     return rec.rows
 
 

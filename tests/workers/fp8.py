@@ -64,7 +64,8 @@ def fp8_tp_compiled(rank, world, name, recipe):
 
 def tp2_sp_graphs(rank, world, cases):
     """{(name, policy): (gathers in FP8, what each bf16 gather's node says, kinds of collectives,
-    FP8 linears reading a gathered input, the x amax of each FP8 linear by ``fp8_report``)} of this rank's graph at tp=world with sequence
+    FP8 linears reading a gathered input, the x, w and dy amaxes of each FP8 linear by
+    ``fp8_report``)} of this rank's graph at tp=world with sequence
     parallelism, for ``cases``: [(name, fp8_policy), ...]."""
     import torch
 
@@ -91,7 +92,7 @@ def tp2_sp_graphs(rank, world, cases):
         def gathered(n):
             return n.target in proxies or (n.target is torch.ops.aten.reshape.default and n.args[0].target in proxies)
         readers = sum(1 for n in nodes if n.target is fp8_linear_q and gathered(n.args[0]))
-        x_amax = {r["module"]: r["x"]["amax"] for r in pm.fp8_report(batch)}
+        x_amax = {(r["module"], what): r[what]["amax"] for r in pm.fp8_report(batch) for what in ("x", "w", "dy")}
         out[(name, policy)] = (n_fp8, bf16, kinds, readers, x_amax)
     return out
 
