@@ -248,12 +248,15 @@ def test_tp2_compiled_is_the_world_size_1_program():
 PP_CASES = [("gpt", "tensorwise", "1f1b"), ("llama", "rowwise", "gpipe")]
 
 
-def test_pp2_is_the_world_size_1_program():
+@pytest.mark.parametrize("world,cases,sp", [(2, PP_CASES, False), (4, [("llama", "tensorwise", "1f1b")], True)],
+                         ids=["pp2", "pp2xtp2-sp"])
+def test_pp2_is_the_world_size_1_program(world, cases, sp):
     """Pipeline stages with FP8 linears (2 microbatches) give the loss and gradients of the same
     program in one process with the same microbatches: a weight lives whole on its stage, and
-    each microbatch's activations are quantised alike in both."""
-    per_rank = run_distributed(fp8_pp, 2, PP_CASES)
-    for name, recipe, schedule in PP_CASES:
+    each microbatch's activations are quantised alike in both. At pp2 x tp2 with sequence
+    parallelism, the stages' sequence gathers move FP8 (``passes/fp8_gather.py``) too."""
+    per_rank = run_distributed(fp8_pp, world, cases, sp)
+    for name, recipe, schedule in cases:
         batch = models.batch(name, seed=7, batch_size=4)
         pm = fxmegatron.parallelize(models.build(name, n_layer=4), None, batch, microbatches=2, precision="fp8",
                                     fp8_recipe=recipe)
@@ -262,8 +265,10 @@ def test_pp2_is_the_world_size_1_program():
         scale = 0.01 * max(g.abs().max().item() for g in grads1.values())
         seen = set()
         for rank, res in enumerate(per_rank):
-            loss2, grads2 = res[(name, recipe, schedule)]
+            loss2, grads2, gathers = res[(name, recipe, schedule)]
             where = (name, recipe, schedule, f"rank {rank}")
+            # each stage holds 2 of the 4 layers: their attention's and MLP's inputs gathered in FP8
+            assert gathers == (4 if sp else 0), (where, gathers)
             assert abs(loss2 - loss1) <= 1e-5 * abs(loss1), (where, loss2, loss1)
             bad = {n: e for n, g in grads2.items() if (e := rel_err(g, grads1[n], scale)) > 1e-4}
             assert not bad, (where, bad)

@@ -35,9 +35,12 @@ def fp8_tp(rank, world, layouts):
     return out
 
 
-def fp8_pp(rank, world, cases):
-    """{(name, recipe, schedule): (loss, this rank's whole gradients)} of one ``train_step`` at
-    pp=2 (tp = world / 2) with 2 microbatches, for ``cases``: [(name, recipe, schedule), ...]."""
+def fp8_pp(rank, world, cases, sequence_parallel=False):
+    """{(name, recipe, schedule): (loss, this rank's whole gradients, sequence gathers in FP8 in
+    its stage)} of one ``train_step`` at pp=2 (tp = world / 2) with 2 microbatches, for
+    ``cases``: [(name, recipe, schedule), ...]."""
+    import torch
+
     import fxmegatron
     from tests.workers.common import pp_mesh
 
@@ -46,9 +49,12 @@ def fp8_pp(rank, world, cases):
     for name, recipe, schedule in cases:
         batch = models.batch(name, seed=7, batch_size=4)
         pm = fxmegatron.parallelize(models.build(name, n_layer=4), mesh, batch, microbatches=2, schedule=schedule,
-                                    precision="fp8", fp8_recipe=recipe)
+                                    precision="fp8", fp8_recipe=recipe, sequence_parallel=sequence_parallel)
         loss = pm.train_step(batch)
-        out[(name, recipe, schedule)] = (loss.item(), {n: g.clone() for n, g in pm.full_grads().items()})
+        from fxmegatron.ops.fp8_gather import gather_quantize_operand
+        gathers = sum(1 for m in pm.stages.values() for sub in m.modules() if isinstance(sub, torch.fx.GraphModule)
+                      for n in sub.graph.nodes if n.target is gather_quantize_operand)
+        out[(name, recipe, schedule)] = (loss.item(), {n: g.clone() for n, g in pm.full_grads().items()}, gathers)
     return out
 
 
