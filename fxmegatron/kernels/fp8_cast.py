@@ -28,7 +28,7 @@ try:
 except ImportError:      # the CPU path never launches it
     triton = None
 
-BM, BN = 64, 64
+BM, BN, WARPS = 64, 64, 4      # tile rows, columns, warps (benchmarks/fp8_cast_tiles.py measures others)
 
 if triton is not None:
     @triton.jit
@@ -79,13 +79,13 @@ if triton is not None:
 
 
 def cast_fp8(x2: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool, floor: float,
-             amax_t: Optional[Tensor] = None, both: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor],
-                                                                           Optional[Tensor]]:
+             amax_t: Optional[Tensor] = None, both: bool = False,
+             tile: Tuple[int, int, int] = (BM, BN, WARPS)) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """(q, scale, qt, scale_t) of the 2-D ``x2`` (any strides): ``q`` row-major [M, N] FP8 with
     its fp32 dequantisation scale ([] from a scalar ``amax``, [M, 1] from a per-row one), and
     with ``both`` the row-major copy of ``x2ᵀ`` [N, M]: rowwise quantised with the per-column
     ``amax_t`` ([N]; scale [N, 1]), tensorwise with the one scale (``scale_t``: equal, not the same
-    tensor)."""
+    tensor). ``tile``: (rows, columns, warps) of a program."""
     m, n = x2.shape
     rowwise = amax.numel() > 1 or amax.dim() == 2
     y = torch.empty((m, n), dtype=dtype, device=x2.device)
@@ -93,9 +93,10 @@ def cast_fp8(x2: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool, floor: fl
     yt = torch.empty((n, m), dtype=dtype, device=x2.device) if both else y
     st = torch.empty((n, 1) if rowwise else (), dtype=torch.float32, device=x2.device) if both else s
     at = amax_t.contiguous() if (both and rowwise) else amax
-    grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
+    bm, bn, warps = tile
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     # wrap_triton: inside torch.library.triton_op (ops.fp8_operands), torch.compile sees the launch
     wrap_triton(_cast_kernel)[grid](x2, amax.contiguous(), at, y, yt, s, st, m, n, x2.stride(0), x2.stride(1),
                        FMAX=float(torch.finfo(dtype).max), FLOOR=floor, ROWWISE=rowwise, POW2=pow2, BOTH=both,
-                       BM=BM, BN=BN, num_warps=4)
+                       BM=bm, BN=bn, num_warps=warps)
     return (y, s, yt, st) if both else (y, s, None, None)
