@@ -3,13 +3,11 @@ gives, bit for bit, the losses of a run that was never interrupted (fp32, gloo, 
 resumed at another pipeline cut (tp 2 -> pp 2 x tp 2): the gradient norm sums its squares in the
 model's parameter order whatever the cut. Another tp or dp size reorders the matmuls' and the
 gradients' own sums: equal to rounding only (docs/TRAINER.md)."""
-import os
 import random
-import signal
 
 import pytest
 
-from tests.trainer_runs import TINY, rows, start, train, wait_rows, write_config
+from tests.trainer_runs import TINY, kill_job, rows, start, train, wait_rows, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +32,7 @@ def kill_and_resume(cfg, out, nproc, resume_cfg=None, resume_nproc=None, seed=0)
     k = random.Random(seed).randint(3, STEPS - 2)
     proc = start(cfg, nproc)
     wait_rows(out, k, proc)
-    os.killpg(proc.pid, signal.SIGKILL)     # every process of the job at once, as a crashed node
-    proc.wait()
+    kill_job(proc)      # every process of the job at once, as a crashed node
     killed_at = len(rows(out))
     assert killed_at < STEPS, "the run finished before it was killed"
     r = train(resume_cfg or cfg, resume_nproc or nproc)

@@ -1,6 +1,7 @@
 """Running ``fxmegatron train`` as a user does (torchrun, gloo, CPU) from tests, and reading what it wrote."""
 import csv
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -53,6 +54,52 @@ def train(cfg, nproc, *args, extra_env=None, timeout=300):
 def start(cfg, nproc, *args, extra_env=None):
     return subprocess.Popen(command(cfg, nproc, *args), cwd=ROOT, env=env(extra_env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _children(pid):
+    """Every live descendant of ``pid`` (from /proc: torchrun starts its workers in sessions of
+    their own, so killing torchrun's process group leaves them running)."""
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_job(proc, timeout=30):
+    """SIGKILL a job started by ``start`` and every process under it at once, as a crashed node
+    takes them all, and wait until none is left (a surviving worker would go on writing the run's
+    files while the next run resumes)."""
+    procs = [proc.pid] + _children(proc.pid)
+    for pid in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    t0 = time.time()
+    while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in procs):
+        if time.time() - t0 > timeout:
+            raise RuntimeError(f"processes {procs} outlived SIGKILL for {timeout} s")
+        time.sleep(0.05)
+
+
+def _zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def rows(out_dir):
