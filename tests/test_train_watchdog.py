@@ -231,3 +231,32 @@ def test_check_finite():
     assert check_finite(10, torch.tensor(1.0), torch.tensor(float("inf")), policy="skip") is False
     with pytest.raises(ConfigError, match="'stop' or 'skip'"):
         check_finite(1, 1.0, 1.0, policy="ignore")
+
+
+def test_ranks_that_go_silent_together_are_all_named():
+    """Two watched peers silent (one rank killed, the launcher ending another a moment later): the
+    heartbeats cannot order deaths that close, so the line names both, the longest silent first."""
+    import time as _time
+
+    from fxmegatron.train.watchdog import Watchdog
+
+    wd = Watchdog(rank=1, world=4, poll_s=1.0, peer_timeout_s=8.0)
+    wd._store = torch.distributed.HashStore()
+    for p, beat in ((0, 3), (2, 5), (3, 7)):
+        wd._store.add(f"hb/{p}", beat)
+    said = []
+
+    def end(msg, *a, **kw):
+        said.append((msg, kw.get("dead")))
+        raise StopIteration
+    wd._end = end
+    now = _time.monotonic()
+    with pytest.raises(StopIteration):
+        wd._poll_store({2: (5, now - 7.0), 3: (7, now - 8.5)})
+    msg, dead = said[0]
+    assert msg.startswith("rank 3 stopped responding") and "also silent: rank 2 for 7 s" in msg and dead == 2, msg
+    # one silent peer, the other beating: only it is named
+    wd._store.add("hb/2", 1)
+    with pytest.raises(StopIteration):
+        wd._poll_store({2: (5, now - 7.0), 3: (7, now - 8.5)})
+    assert "also silent" not in said[1][0] and said[1][1] == 1, said[1]

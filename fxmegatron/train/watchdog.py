@@ -333,7 +333,7 @@ class Watchdog:
         self._op(s.add, f"hb/{r}", 1)
         if self._op(s.check, ["failed"]):
             self._end(self._op(s.get, "failed").decode(errors="replace"), mine=False)
-        now, watched = time.monotonic(), 0
+        now, watched, silent = time.monotonic(), 0, []     # silent: (seconds, peer, its limit)
         for i in range(1, self.world):
             p = (r + i) % self.world
             beat = self._op(s.add, f"hb/{p}", 0)
@@ -344,14 +344,19 @@ class Watchdog:
                 seen[p] = (beat, now)
             else:
                 # a peer not yet in its Watchdog may still be loading or compiling
-                limit = self.peer_timeout_s if beat > 0 else self.first_step_timeout_s
-                if now - since > limit:
-                    self._end(f"rank {p} stopped responding {self._peer_step(p)}: no heartbeat for "
-                              f"{now - since:.0f} s (killed, crashed, or frozen; noticed by rank {r})",
-                              mine=False, dead=1)
+                silent.append((now - since, p, self.peer_timeout_s if beat > 0 else self.first_step_timeout_s))
             watched += 1
             if watched == _WATCHED:
                 break
+        over = [x for x in silent if x[0] > x[2]]
+        if over:
+            # ranks that die together (a node; a launcher ending the others) go silent within a
+            # heartbeat of each other, in an order the heartbeats cannot tell: name them all
+            gone, p, _ = max(over)
+            also = [f"rank {q} for {t:.0f} s" for t, q, _ in silent if q != p and t > 2 * self.poll_s]
+            self._end(f"rank {p} stopped responding {self._peer_step(p)}: no heartbeat for {gone:.0f} s "
+                      f"(killed, crashed, or frozen; noticed by rank {r})"
+                      + (f"; also silent: {', '.join(also)}" if also else ""), mine=False, dead=1 + len(also))
 
     def _peer_step(self, p: int) -> str:
         if self._op(self._store.check, [f"step/{p}"]):
