@@ -348,15 +348,12 @@ class Watchdog:
             watched += 1
             if watched == _WATCHED:
                 break
-        over = [x for x in silent if x[0] > x[2]]
-        if over:
-            # ranks that die together (a node; a launcher ending the others) go silent within a
-            # heartbeat of each other, in an order the heartbeats cannot tell: name them all
+        if over := [x for x in silent if x[0] > x[2]]:   # peers dying together: heartbeats cannot order them
             gone, p, _ = max(over)
             also = [f"rank {q} for {t:.0f} s" for t, q, _ in silent if q != p and t > 2 * self.poll_s]
-            self._end(f"rank {p} stopped responding {self._peer_step(p)}: no heartbeat for {gone:.0f} s "
-                      f"(killed, crashed, or frozen; noticed by rank {r})"
-                      + (f"; also silent: {', '.join(also)}" if also else ""), mine=False, dead=1 + len(also))
+            self._end(f"rank {p} stopped responding {self._peer_step(p)}: no heartbeat for {gone:.0f} s (killed, "
+                      f"crashed, or frozen; noticed by rank {r}){'; also silent: ' + ', '.join(also) if also else ''}",
+                      mine=False, dead=1 + len(also))
 
     def _peer_step(self, p: int) -> str:
         if self._op(self._store.check, [f"step/{p}"]):
