@@ -125,7 +125,8 @@ def gather_in_fp8(gm: fx.GraphModule) -> fx.GraphModule:
         for n in (d, gq, *outs, proxy):
             _copy_where(n, node)
         gq.meta["fp8"] = f"gathered in FP8 ({recipe}): the shard quantised, its FP8 bytes gathered"
-        proxy.meta["fp8"] = f"no forward gather: {gq.name} carries the values in FP8; reduce-scatter backward"
+        proxy.meta["fp8"] = (f"no forward gather: {gq.name} carries the values in FP8; "
+                             + ("reduce-scatter backward" if rank < 0 else "local slice backward"))
         for item in list(q.users):
             item.replace_all_uses_with(outs[item.args[1]])
             g.erase_node(item)
