@@ -1,10 +1,12 @@
 """The GPU kernels of a chrome trace (``end_to_end.py --profile-dir``), summed by name.
 
-    python benchmarks/trace_kernels.py TRACE.json [--top 30] [--by-grid]
+    python benchmarks/trace_kernels.py TRACE.json [--top 30] [--by-grid] [--gaps 15]
 
 Prints each kernel name's total time, count and share of all kernel time, largest first,
 then the totals by class (matmul, attention, communication, other): what a step spends
-its GPU time on, to see what holds a layout back.
+its GPU time on, to see what holds a layout back. ``--gaps N``: the N longest stretches with
+no kernel running (the "idle" of the breakdown), each with the kernels on either side and
+the CPU op running when the GPU went idle, to tell launch latency from a host wait.
 """
 import argparse
 import collections
@@ -38,9 +40,12 @@ def main():
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--by-grid", action="store_true",
                     help="one line per kernel name and launch grid (tells apart the shapes of one matmul kernel)")
+    ap.add_argument("--gaps", type=int, default=0, help="print the N longest idle stretches")
     args = ap.parse_args()
     events = load(args.trace)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    if args.gaps:
+        print_gaps(events, args.gaps)
     total = collections.Counter()
     count = collections.Counter()
     for e in events:
@@ -61,6 +66,26 @@ def main():
         by_class[kernel_class(name)] += us
     print(f"\nall kernels {every / 1e3:.2f} ms: " +
           ", ".join(f"{k} {v / 1e3:.2f} ms ({v / every:.0%})" for k, v in by_class.most_common()))
+
+
+def print_gaps(events, top):
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"),
+                     key=lambda e: e["ts"])
+    cpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function")),
+                 key=lambda e: e["ts"])
+    gaps, end, last = [], None, None
+    for k in kernels:
+        if end is not None and k["ts"] > end:
+            gaps.append((k["ts"] - end, end, last["name"], k["name"]))
+        if end is None or k["ts"] + k.get("dur", 0) > end:
+            end, last = k["ts"] + k.get("dur", 0), k
+    total = sum(g[0] for g in gaps)
+    print(f"idle: {total / 1e3:.2f} ms in {len(gaps)} gaps; the {top} longest:")
+    for dur, at, before, after in sorted(gaps, reverse=True)[:top]:
+        # the innermost CPU op running when the GPU went idle
+        host = [c["name"] for c in cpu if c["ts"] <= at <= c["ts"] + c.get("dur", 0)]
+        print(f"{dur / 1e3:8.3f} ms after {before[:60]!r} before {after[:60]!r}; host in {host[-1][:70] if host else '-'!r}")
+    print()
 
 
 if __name__ == "__main__":

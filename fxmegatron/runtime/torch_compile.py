@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from fxmegatron.errors import CompileError
 from fxmegatron.ops.dropout import rng_key
+from fxmegatron.runtime.inductor_reinplace import loss_grad_over_donated_logits
 
 
 
@@ -48,8 +49,21 @@ def compile_graph(gm: fx.GraphModule, mode=None, backend="inductor") -> fx.Graph
         if n.op == "call_function" and n.target is rng_key:
             n.target = _outside_graph_rng_key()
     gm.recompile()
-    gm.forward = torch.compile(gm.forward, backend=backend, dynamic=False, mode=mode)
+    if backend == "inductor":
+        gm.forward = torch.compile(gm.forward, dynamic=False, options=inductor_options(mode))
+    else:
+        gm.forward = torch.compile(gm.forward, backend=backend, dynamic=False, mode=mode)
     return gm
+
+
+def inductor_options(mode=None) -> dict:
+    """What ``mode`` sets in inductor, plus fxmegatron's post-grad pass
+    (``runtime.inductor_reinplace``). torch.compile takes a mode or options, not both, so
+    the mode's options are spelled out."""
+    import torch._inductor
+    options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    options["post_grad_custom_post_pass"] = loss_grad_over_donated_logits()
+    return options
 
 
 def check_compile_options(compile, fuse: bool):
