@@ -140,8 +140,9 @@ class ParallelModel(nn.Module):
             total = None
             for mb, w in zip(micro, weights):
                 loss = self.graph_module(*mb)[0]
-                (loss * w).backward()
-                total = loss.detach() * w if total is None else total + loss.detach() * w
+                (loss if w == 1.0 else loss * w).backward()
+                part = loss.detach() if w == 1.0 else loss.detach() * w
+                total = part if total is None else total + part
         else:
             total = self._runner.run(micro, weights, dropout_off=not self.training)
         if self._grad_accum is not None:
