@@ -178,5 +178,9 @@ def test_beside_inductor_only_the_chains_generated_kernels_win_are_fused():
     pm = fxmegatron.parallelize(models.build("gpt", n_layer=1, dropout=0.1), None, models.batch("gpt"), fuse=True,
                                 compile=True)
     kept = [m.label for m in pm.modules() if isinstance(m, Fused)]
-    assert kept and all("counter_dropout" in lab or lab == "gelu" for lab in kept), kept
-    assert "gelu" in kept, kept       # GeLU alone is a group: its kernel beats inductor's (LONE_GROUPS)
+    assert kept and all("counter_dropout" in lab or "gelu" in lab for lab in kept), kept
+    # GeLU alone is a group (its kernel beats inductor's: LONE_GROUPS), with the fc's bias
+    assert "add -> gelu" in kept, kept
+    fc = [n for n in pm.graph_module.graph.nodes if n.target is torch.ops.aten.linear.default
+          and "mlp_fc" in str(n.args[1])]
+    assert len(fc) == 1 and len(fc[0].args) == 2, fc       # the bias left the matmul for the group
