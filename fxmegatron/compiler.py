@@ -27,6 +27,7 @@ from fxmegatron.passes.fp8 import apply_fp8
 from fxmegatron.passes.fp8_gather import gather_in_fp8
 from fxmegatron.passes.fp8_share import share_fp8_quantization
 from fxmegatron.passes.fuse import apply_fuse
+from fxmegatron.passes.gelu_for_inductor import gelu_tanh_through_sigmoid
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.pipeline_split import split_pipeline
 from fxmegatron.passes.recompute import apply_recompute
@@ -129,6 +130,8 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) ->
     if cfg.fuse:
         passes.append(Pass("fuse", lambda gm: apply_fuse(gm, beside_inductor=bool(cfg.compile)),
                            requires={"local_shapes"}))
+    if cfg.compile:     # after fuse: a GeLU a fused group took is not rewritten
+        passes.append(Pass("gelu_for_inductor", gelu_tanh_through_sigmoid, requires={"local_shapes"}))
     return passes
 
 
