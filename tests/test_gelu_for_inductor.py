@@ -78,3 +78,28 @@ def test_only_compile_rewrites_and_a_compiled_gpt_trains_as_its_graph():
         ref, got = plain.full_grads(), compiled.full_grads()
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
+
+
+def test_gemma_tanh_gelu_compiled_trains_as_its_graph():
+    """Another family: Gemma's GeGLU calls the tanh GeLU (``gelu_pytorch_tanh``)."""
+    from .families import FAMILIES, make_batch
+    fam = FAMILIES["gemma"]
+    model = fam.build(n_layer=1)
+    batch = make_batch(fam, 0)
+    plain = fxmegatron.parallelize(copy.deepcopy(model), None, batch)
+    assert _gelus(plain) == 1
+    torch._dynamo.reset()
+    compiled = fxmegatron.parallelize(copy.deepcopy(model), None, batch, compile=True)
+    assert _gelus(compiled) == 0
+    for s in range(2):
+        b = make_batch(fam, s + 1)
+        losses = []
+        for pm in (plain, compiled):
+            for p in pm.parameters():
+                p.grad = None
+            losses.append(pm(b))
+            losses[-1].backward()
+        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
+        ref, got = plain.full_grads(), compiled.full_grads()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
