@@ -50,6 +50,21 @@ def test_erf_gelu_is_left_alone():
     assert any(n.target is aten.gelu.default for n in gm.graph.nodes)
 
 
+def _train_alike(plain, compiled, batches):
+    """Equal losses and gradients, step by step, on different batches."""
+    for b in batches:
+        losses = []
+        for pm in (plain, compiled):
+            for p in pm.parameters():
+                p.grad = None
+            losses.append(pm(b))
+            losses[-1].backward()
+        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
+        ref, got = plain.full_grads(), compiled.full_grads()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
+
+
 def _gelus(pm):
     return sum(1 for m in pm.modules() if isinstance(m, fx.GraphModule)
                for n in m.graph.nodes if n.target is aten.gelu.default)
@@ -66,18 +81,7 @@ def test_only_compile_rewrites_and_a_compiled_gpt_trains_as_its_graph():
     fused = fxmegatron.parallelize(copy.deepcopy(model), None, models.batch("gpt"), compile=True, fuse=True)
     # the GeLUs are the fused groups', in their generated kernels
     assert [m.label for m in fused.modules() if isinstance(m, Fused)] == ["add -> gelu"] * 2
-    for s in range(2):
-        b = models.batch("gpt", seed=s)
-        losses = []
-        for pm in (plain, compiled):
-            for p in pm.parameters():
-                p.grad = None
-            losses.append(pm(b))
-            losses[-1].backward()
-        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
-        ref, got = plain.full_grads(), compiled.full_grads()
-        for k in ref:
-            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
+    _train_alike(plain, compiled, [models.batch("gpt", seed=s) for s in range(2)])
 
 
 def test_gemma_tanh_gelu_compiled_trains_as_its_graph():
@@ -91,15 +95,4 @@ def test_gemma_tanh_gelu_compiled_trains_as_its_graph():
     torch._dynamo.reset()
     compiled = fxmegatron.parallelize(copy.deepcopy(model), None, batch, compile=True)
     assert _gelus(compiled) == 0
-    for s in range(2):
-        b = make_batch(fam, s + 1)
-        losses = []
-        for pm in (plain, compiled):
-            for p in pm.parameters():
-                p.grad = None
-            losses.append(pm(b))
-            losses[-1].backward()
-        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
-        ref, got = plain.full_grads(), compiled.full_grads()
-        for k in ref:
-            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
+    _train_alike(plain, compiled, [make_batch(fam, s + 1) for s in range(2)])
