@@ -77,6 +77,9 @@ def test_only_compile_rewrites_and_a_compiled_gpt_trains_as_its_graph():
     torch._dynamo.reset()
     compiled = fxmegatron.parallelize(copy.deepcopy(model), None, models.batch("gpt"), compile=True)
     assert _gelus(compiled) == 0
+    recomputed = fxmegatron.parallelize(copy.deepcopy(model), None, models.batch("gpt"), compile=True,
+                                        recompute="full")
+    assert _gelus(recomputed) == 0                      # inside the recomputed blocks too
     from fxmegatron.passes.fuse import Fused
     fused = fxmegatron.parallelize(copy.deepcopy(model), None, models.batch("gpt"), compile=True, fuse=True)
     # the GeLUs are the fused groups', in their generated kernels

@@ -30,6 +30,7 @@ import torch.fx as fx
 from fxmegatron.ops.collectives import all_gather_seq, copy_to_tp, gather_seq
 from fxmegatron.ops.fp8_gather import fp8_gathered_input, fp8_gathered_whole_input, gather_quantize_operand
 from fxmegatron.ops.fp8_operands import fp8_linear_q, quantize_operand
+from fxmegatron.passes.node_meta import copy_source
 
 aten = torch.ops.aten
 
@@ -94,12 +95,6 @@ def _plan(g: fx.Node) -> Tuple[Optional[fx.Node], str]:
     return q, ""
 
 
-def _copy_where(n: fx.Node, like: fx.Node) -> None:
-    for key in ("stack_trace", "nn_module_stack", "placement", "tp_rule"):
-        if key in like.meta:
-            n.meta[key] = like.meta[key]
-
-
 def gather_in_fp8(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite every sequence gather that only FP8 linears read (see the module docstring)."""
     g = gm.graph
@@ -123,7 +118,7 @@ def gather_in_fp8(gm: fx.GraphModule) -> fx.GraphModule:
             o.meta["val"] = q.meta["val"][i] if isinstance(q.meta.get("val"), tuple) else None
         proxy.meta["val"] = node.meta.get("val")
         for n in (d, gq, *outs, proxy):
-            _copy_where(n, node)
+            copy_source(n, node, also=("placement", "tp_rule"))
         gq.meta["fp8"] = f"gathered in FP8 ({recipe}): the shard quantised, its FP8 bytes gathered"
         proxy.meta["fp8"] = (f"no forward gather: {gq.name} carries the values in FP8; "
                              + ("reduce-scatter backward" if rank < 0 else "local slice backward"))

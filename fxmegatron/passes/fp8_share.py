@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from fxmegatron.ops.fp8 import fp8_linear, recipe_of
 from fxmegatron.ops.fp8_operands import fp8_linear_q, operand_groups, quantize_operand
+from fxmegatron.passes.node_meta import copy_source
 
 aten = torch.ops.aten
 
@@ -47,15 +48,8 @@ def _quantize_node(g: fx.Graph, before: fx.Node, x: fx.Node, recipe: str, groups
         for o, v in zip(outs, vals):
             o.meta["val"] = v
     for n in (d, q, *outs):
-        _where(n, before)
+        copy_source(n, before)
     return outs
-
-
-def _where(n: fx.Node, like: fx.Node) -> None:
-    """``n`` reports ``like``'s source line and module path (the dump, errors)."""
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in like.meta:
-            n.meta[key] = like.meta[key]
 
 
 def _val(n: fx.Node) -> torch.Tensor:
@@ -69,7 +63,7 @@ def _view(g: fx.Graph, n: fx.Node, shape, like: fx.Node) -> fx.Node:
     """``n`` reshaped (a view where strides allow, as linear's own flattening is)."""
     v = g.call_function(aten.reshape.default, (n, list(shape)))
     v.meta["val"] = _val(n).reshape(shape)
-    _where(v, like)
+    copy_source(v, like)
     return v
 
 

@@ -14,10 +14,13 @@ stays.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.fx as fx
+
+from fxmegatron.passes.node_meta import copy_source
 
 aten = torch.ops.aten
 
@@ -33,10 +36,11 @@ def _tanh_gelu(n: fx.Node) -> bool:
     return approximate == "tanh" and isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
-def _call(graph: fx.Graph, target, args, kwargs=None) -> fx.Node:
+def _call(graph: fx.Graph, like: fx.Node, target, args, kwargs=None) -> fx.Node:
     node = graph.call_function(target, args, kwargs or {})
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
     node.meta["val"] = target(*vals, **(kwargs or {}))
+    copy_source(node, like, also=("placement", "tp_rule"))
     return node
 
 
@@ -48,17 +52,16 @@ def gelu_tanh_through_sigmoid(gm: fx.GraphModule) -> int:
     for n in list(gm.graph.nodes):
         if not _tanh_gelu(n):
             continue
-        g, dtype = gm.graph, n.meta["val"].dtype
-        with g.inserting_before(n):
-            x = _call(g, aten._to_copy.default, (n.args[0],), {"dtype": torch.promote_types(dtype, torch.float32)})
-            inner = _call(g, aten.add.Tensor, (_call(g, aten.mul.Tensor, (_call(g, aten.mul.Tensor, (x, x)), CUBIC)),
-                                               TWO_SQRT_2_OVER_PI))
-            s = _call(g, aten.sigmoid.default, (_call(g, aten.mul.Tensor, (x, inner)),))
-            y = _call(g, aten._to_copy.default, (_call(g, aten.mul.Tensor, (x, s)),), {"dtype": dtype})
-        for new in (x, inner, s, y):
-            new.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")})
+        dtype = n.meta["val"].dtype
+        call = functools.partial(_call, gm.graph, n)
+        with gm.graph.inserting_before(n):
+            x = call(aten._to_copy.default, (n.args[0],), {"dtype": torch.promote_types(dtype, torch.float32)})
+            inner = call(aten.add.Tensor, (call(aten.mul.Tensor, (call(aten.mul.Tensor, (x, x)), CUBIC)),
+                                           TWO_SQRT_2_OVER_PI))
+            s = call(aten.sigmoid.default, (call(aten.mul.Tensor, (x, inner)),))
+            y = call(aten._to_copy.default, (call(aten.mul.Tensor, (x, s)),), {"dtype": dtype})
         n.replace_all_uses_with(y)
-        g.erase_node(n)
+        gm.graph.erase_node(n)
         done += 1
     if done:
         gm.graph.lint()

@@ -1,0 +1,20 @@
+"""What a node a pass adds inherits from the node it stands for: where it came from.
+
+The dump and every error name a node's source line (``stack_trace``) and module path
+(``nn_module_stack``); a node that replaces or serves another reports that one's. Passes after
+tensor parallelism may also carry its placement and rule (``placement``, ``tp_rule``).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.fx as fx
+
+SOURCE = ("stack_trace", "nn_module_stack")
+
+
+def copy_source(n: fx.Node, like: fx.Node, also: Iterable[str] = ()) -> None:
+    """``n`` reports ``like``'s source line and module path (and the ``also`` meta keys)."""
+    for key in (*SOURCE, *also):
+        if key in like.meta:
+            n.meta[key] = like.meta[key]
