@@ -247,17 +247,17 @@ def _rewrite(gm: fx.GraphModule, group: List[fx.Node], index: int) -> None:
             {"fused": label})
 
 
+# A group of one of these alone still pays: dropout's kernel draws the mask; GeLU's computes
+# tanh/erf in fewer instructions than inductor's libdevice call, which leaves a GeLU after a
+# biased linear (bias in cuBLAS's epilogue) bound by instructions (gpt1.3b, one H200: 0.193 ms
+# for 512 MB, 2.7 TB/s).
+LONE_GROUPS = {counter_dropout, aten.gelu.default}
+
 # Where a generated kernel beat inductor's on the same chain (docs/PERFORMANCE.md, "Generated
 # elementwise kernels vs eager and torch.compile", one H200, 2026-11-21, fwd+bwd): beside
 # inductor only groups holding one of these ops are kept; inductor fuses the rest with its
 # neighbours (a norm's reduction, a matmul's epilogue), which a group boundary would stop.
 # SiLU·mul (0.999×), scale+mask (0.996×) and plain adds tie or lose: left to inductor.
-# a group of one of these alone still pays: dropout's kernel draws the mask; GeLU's computes
-# tanh/erf in fewer instructions than inductor's (libdevice), which leaves a GeLU after a
-# biased linear (bias in cuBLAS's epilogue) bound by instructions (gpt1.3b, one H200: 0.193 ms
-# for 512 MB, 2.7 TB/s)
-LONE_GROUPS = {counter_dropout, aten.gelu.default}
-
 WINS_OVER_INDUCTOR = {
     aten.gelu.default: "bias+GeLU 1.27× (tanh), 1.39× (erf)",
     counter_dropout: "bias+dropout+residual 1.51×",

@@ -140,9 +140,9 @@ class ParallelModel(nn.Module):
             total = None
             for mb, w in zip(micro, weights):
                 loss = self.graph_module(*mb)[0]
-                (loss if w == 1.0 else loss * w).backward()
-                part = loss.detach() if w == 1.0 else loss.detach() * w
-                total = part if total is None else total + part
+                weighted = loss if w == 1.0 else loss * w
+                weighted.backward()
+                total = weighted.detach() if total is None else total + weighted.detach()
         else:
             total = self._runner.run(micro, weights, dropout_off=not self.training)
         if self._grad_accum is not None:
