@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import List, Mapping, Optional
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -28,6 +29,7 @@ from fxmegatron.passes.fp8_gather import gather_in_fp8
 from fxmegatron.passes.fp8_share import share_fp8_quantization
 from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.gelu_for_inductor import gelu_tanh_through_sigmoid
+from fxmegatron.passes.gemm_epilogues import apply_gemm_epilogues
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.pipeline_split import split_pipeline
 from fxmegatron.passes.recompute import apply_recompute
@@ -102,10 +104,11 @@ def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
             Pass("cp_local_shapes", check_local_shapes)]
 
 
-def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) -> List[Pass]:
+def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig, device=None) -> List[Pass]:
     """Every graph pass of a rank, in order. After ``localize`` the graph holds meta shards.
     Collectives name the tp and cp axes (``TP_AXIS``, ``CP_AXIS``), not process groups: see
-    ``groups``."""
+    ``groups``. ``device``: where the program runs (None: not known, as for planning; the
+    passes that only pay off on one kind of device are left out)."""
     tp = axes["tp"]
     passes = cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
     passes += tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank)
@@ -127,6 +130,9 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig) ->
         passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
                            requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
+    if cfg.compile and device is not None and torch.device(device).type == "cuda":
+        # before fuse: a GeLU in a GEMM's epilogue is not a fused group's
+        passes.append(Pass("gemm_epilogues", apply_gemm_epilogues, requires={"local_shapes"}))
     if cfg.fuse:
         passes.append(Pass("fuse", lambda gm: apply_fuse(gm, beside_inductor=bool(cfg.compile)),
                            requires={"local_shapes"}))
@@ -151,7 +157,7 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
     tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
     sched = cfg.make_schedule(pp.size)
     timings = dict(timings or {})
-    runner = PassRunner(rank_passes(cap, axes, cfg), debug=debug)
+    runner = PassRunner(rank_passes(cap, axes, cfg, device), debug=debug)
     local = runner(cap.gm)
     timings.update({f"{name}_s": s for name, s in runner.timings.items()})
     plan = local.meta[PLAN]

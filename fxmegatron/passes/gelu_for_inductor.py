@@ -15,17 +15,15 @@ stays.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.fx as fx
 
+from fxmegatron.ops.gemm_epilogue import CUBIC, TWO_SQRT_2_OVER_PI
 from fxmegatron.passes.node_meta import copy_source
 
 aten = torch.ops.aten
 
-TWO_SQRT_2_OVER_PI = 2 * math.sqrt(2 / math.pi)
-CUBIC = TWO_SQRT_2_OVER_PI * 0.044715
 
 
 def _tanh_gelu(n: fx.Node) -> bool:
