@@ -117,6 +117,9 @@ def main():
         if args.kernels:
             _kernels(step)
         print(f"{name:20s} {ms:8.3f} {flops / ms / 1e9:8.1f} {saved:10.1f} {(dx.float() - ref.float()).abs().max().item():16.3e}")
+    from fxmegatron.kernels import cublaslt
+    for epilogue, m, n, k, i, count in cublaslt.chosen_algorithms():
+        print(f"cuBLASLt {epilogue} m={m} n={n} k={k}: kept candidate {i} of {count}")
 
 
 if __name__ == "__main__":

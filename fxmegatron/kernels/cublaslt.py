@@ -40,6 +40,7 @@ _PREF_MAX_WORKSPACE = 1
 _PREF_ALIGN = (5, 6, 7, 8)          # MIN_ALIGNMENT_{A,B,C,D}_BYTES
 EPILOGUES = {"default": 1, "bias": 4, "gelu_aux_bias": 164, "dgelu_bgrad": 208, "bgradb": 512}
 WORKSPACE_BYTES = 32 << 20
+CANDIDATES, TIMED_RUNS = 8, 3
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -72,6 +73,7 @@ class _Lib:
         self.dll = ctypes.CDLL(path)
         self.handles: Dict[int, ctypes.c_void_p] = {}
         self.plans: Dict[tuple, tuple] = {}
+        self.chosen: Dict[tuple, int] = {}
         self.workspaces: Dict[Tuple[int, int], Tensor] = {}
 
     def call(self, name: str, *args) -> None:
@@ -104,7 +106,8 @@ class _Lib:
         return lay
 
     def plan(self, key: tuple):
-        """(matmul descriptor, layouts of A, B, D, algorithm) or None when cuBLASLt has none."""
+        """(matmul descriptor, layouts of A, B, D, candidate algorithms) or None when cuBLASLt
+        has none."""
         if key in self.plans:
             return self.plans[key]
         device, dtype, ta, tb, m, n, k, lda, ldb, ldd, epilogue, aligns = key
@@ -122,11 +125,12 @@ class _Lib:
                       ctypes.c_uint64)
         for attr, align in zip(_PREF_ALIGN, aligns):
             self.set_attr("cublasLtMatmulPreferenceSetAttribute", pref, attr, align, ctypes.c_uint32)
-        result, count = _HeuristicResult(), ctypes.c_int(0)
-        status = self.dll.cublasLtMatmulAlgoGetHeuristic(self.handle(device), desc, a, b, d, d, pref, 1,
-                                                         ctypes.byref(result), ctypes.byref(count))
+        results, count = (_HeuristicResult * CANDIDATES)(), ctypes.c_int(0)
+        status = self.dll.cublasLtMatmulAlgoGetHeuristic(self.handle(device), desc, a, b, d, d, pref, CANDIDATES,
+                                                         results, ctypes.byref(count))
         self.dll.cublasLtMatmulPreferenceDestroy(pref)
-        plan = (desc, a, b, d, result) if status == 0 and count.value > 0 else None
+        algos = [results[i] for i in range(count.value) if results[i].state == 0] if status == 0 else []
+        plan = (desc, a, b, d, algos) if algos else None
         self.plans[key] = plan
         return plan
 
@@ -148,6 +152,15 @@ def _lib() -> Optional[_Lib]:
 
 def available() -> bool:
     return _lib() is not None
+
+
+def chosen_algorithms():
+    """[(epilogue, m, n, k, index of the algorithm kept, candidates)] of the plans made so far
+    (cuBLASLt's column-major m, n, k)."""
+    lib = _LIB
+    if lib is None:
+        return []
+    return [(key[10], key[4], key[5], key[6], i, len(lib.plans[key][4])) for key, i in lib.chosen.items()]
 
 
 def _align(t: Tensor) -> int:
@@ -203,7 +216,7 @@ def _run(lib: _Lib, dtype: int, ca, cb, m: int, n: int, k: int, A: Tensor, B: Te
     plan = lib.plan(key)
     if plan is None:
         return None
-    desc, la, lb, ld, algo = plan
+    desc, la, lb, ld, algos = plan
     for t in (bias, aux):
         if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
             return None
@@ -215,8 +228,32 @@ def _run(lib: _Lib, dtype: int, ca, cb, m: int, n: int, k: int, A: Tensor, B: Te
     stream = torch.cuda.current_stream(D.device).cuda_stream
     ws = lib.workspace(device, stream)
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    lib.call("cublasLtMatmul", lib.handle(device), desc, ctypes.byref(one), ctypes.c_void_p(A.data_ptr()), la,
-             ctypes.c_void_p(B.data_ptr()), lb, ctypes.byref(zero), ctypes.c_void_p(D.data_ptr()), ld,
-             ctypes.c_void_p(D.data_ptr()), ld, ctypes.byref(algo.algo), ctypes.c_void_p(ws.data_ptr()),
-             ctypes.c_size_t(WORKSPACE_BYTES), ctypes.c_void_p(stream))
+
+    def launch(algo):
+        lib.call("cublasLtMatmul", lib.handle(device), desc, ctypes.byref(one), ctypes.c_void_p(A.data_ptr()), la,
+                 ctypes.c_void_p(B.data_ptr()), lb, ctypes.byref(zero), ctypes.c_void_p(D.data_ptr()), ld,
+                 ctypes.c_void_p(D.data_ptr()), ld, ctypes.byref(algo.algo), ctypes.c_void_p(ws.data_ptr()),
+                 ctypes.c_size_t(WORKSPACE_BYTES), ctypes.c_void_p(stream))
+    if key not in lib.chosen:
+        lib.chosen[key] = _fastest(launch, algos) if len(algos) > 1 else 0
+    launch(algos[lib.chosen[key]])
     return D
+
+
+def _fastest(launch, algos) -> int:
+    """Index of the fastest of ``algos`` on this call's operands (each launched once to warm
+    up, then ``TIMED_RUNS`` times between CUDA events); a candidate that fails is skipped."""
+    times = []
+    for algo in algos:
+        try:
+            launch(algo)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(TIMED_RUNS):
+                launch(algo)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        except CublasLtError:
+            times.append(float("inf"))
+    return min(range(len(algos)), key=times.__getitem__)
