@@ -93,13 +93,14 @@ def test_the_backward_kernel_is_gelu_backward_and_its_sum(dtype, tol, shape):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_on_cuda_in_bf16_it_is_the_linear_and_the_gelu(compiled):
+def test_on_cuda_in_bf16_and_fp16_it_is_the_linear_and_the_gelu(compiled, dtype):
     # 2×1000 tokens: not a multiple of a tile. bf16: the epilogue's GeLU reads the unrounded
     # pre-activation (module docstring)
     torch._dynamo.reset()
     fn = torch.compile(linear_gelu, fullgraph=True) if compiled else linear_gelu
-    _compare(fn, _leaves(torch.bfloat16, "cuda", rows=(2, 1000), k=256, n=1024), 1e-2)
+    _compare(fn, _leaves(dtype, "cuda", rows=(2, 1000), k=256, n=1024), 1e-2)
 
 
 def _mm_ref(a, b, epilogue, bias):
@@ -113,7 +114,7 @@ def _mm_ref(a, b, epilogue, bias):
 
 
 @cuda
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
 @pytest.mark.parametrize("epilogue", ["default", "gelu_aux_bias", "bgradb", "dgelu_bgrad"])
 def test_each_epilogue_is_what_it_replaces(dtype, tol, epilogue):
     torch.backends.cuda.matmul.allow_tf32 = False
