@@ -30,3 +30,26 @@ def train_once(model, batch, monkeypatch, disable=None, **kw):
         pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, **kw)
     loss = pm.train_step(batch)
     return loss, {n: p.grad for n, p in pm.named_parameters()}, pm.graph_module.graph
+
+
+def assert_same_two_steps(name, fam, plain, other):
+    """``other``'s losses and gradients are ``plain``'s (two ParallelModels of one family of
+    tests/families.py) on two different batches with masked labels: loss 1e-5, gradients 1e-4."""
+    import torch
+
+    from tests.families import make_batch
+    for seed in (1, 2):
+        b = make_batch(fam, seed)
+        b["labels"][0, :3] = -100
+        runs = []
+        for pm in (plain, other):
+            for p in pm.parameters():
+                p.grad = None
+            loss = pm(b)
+            loss.backward()
+            runs.append((loss.item(), pm.full_grads()))
+        (l0, g0), (l1, g1) = runs
+        assert abs(l1 - l0) <= 1e-5 * abs(l0), (name, l1, l0)
+        assert g1.keys() == g0.keys(), name
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
