@@ -1,12 +1,15 @@
 """The GPU kernels of a chrome trace (``end_to_end.py --profile-dir``), summed by name.
 
     python benchmarks/trace_kernels.py TRACE.json [--top 30] [--by-grid] [--gaps 15]
+    python benchmarks/trace_kernels.py A.json --against B.json [--by-grid] [--top 30]
 
 Prints each kernel name's total time, count and share of all kernel time, largest first,
 then the totals by class (matmul, attention, communication, other): what a step spends
 its GPU time on, to see what holds a layout back. ``--gaps N``: the N longest stretches with
 no kernel running (the "idle" of the breakdown), each with the kernels on either side and
 the CPU op running when the GPU went idle, to tell launch latency from a host wait.
+``--against B``: each kernel's time and count in A and in B side by side, largest
+difference first, and the difference by class: which kernels one layout runs longer.
 """
 import argparse
 import collections
@@ -41,20 +44,15 @@ def main():
     ap.add_argument("--by-grid", action="store_true",
                     help="one line per kernel name and launch grid (tells apart the shapes of one matmul kernel)")
     ap.add_argument("--gaps", type=int, default=0, help="print the N longest idle stretches")
+    ap.add_argument("--against", default="", help="a second trace: print both side by side")
     args = ap.parse_args()
-    events = load(args.trace)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    events = kernel_events(args.trace)
     if args.gaps:
         print_gaps(events, args.gaps)
-    total = collections.Counter()
-    count = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            key = e["name"]
-            if args.by_grid:
-                key = f"{key} grid={e.get('args', {}).get('grid')}"
-            total[key] += e.get("dur", 0.0)
-            count[key] += 1
+    total, count = sum_kernels(events, args.by_grid)
+    if args.against:
+        return print_against(total, count, *sum_kernels(kernel_events(args.against), args.by_grid),
+                             args.top)
     every = sum(total.values())
     if not every:
         sys.exit(f"{args.trace}: no kernel events")
@@ -66,6 +64,39 @@ def main():
         by_class[kernel_class(name)] += us
     print(f"\nall kernels {every / 1e3:.2f} ms: " +
           ", ".join(f"{k} {v / 1e3:.2f} ms ({v / every:.0%})" for k, v in by_class.most_common()))
+
+
+def kernel_events(path):
+    events = load(path)
+    return events.get("traceEvents", events) if isinstance(events, dict) else events
+
+
+def sum_kernels(events, by_grid):
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            key = e["name"]
+            if by_grid:
+                key = f"{key} grid={e.get('args', {}).get('grid')}"
+            total[key] += e.get("dur", 0.0)
+            count[key] += 1
+    return total, count
+
+
+def print_against(total_a, count_a, total_b, count_b, top):
+    names = set(total_a) | set(total_b)
+    diff = sorted(names, key=lambda n: -abs(total_a[n] - total_b[n]))
+    print(f"{'A ms':>8s} {'B ms':>8s} {'A-B':>7s} {'A n':>5s} {'B n':>5s}  kernel")
+    for n in diff[:top]:
+        print(f"{total_a[n] / 1e3:8.2f} {total_b[n] / 1e3:8.2f} {(total_a[n] - total_b[n]) / 1e3:7.2f} "
+              f"{count_a[n]:5d} {count_b[n]:5d}  {n[:160]}")
+    by_a, by_b = collections.Counter(), collections.Counter()
+    for n in names:
+        by_a[kernel_class(n)] += total_a[n]
+        by_b[kernel_class(n)] += total_b[n]
+    print("\nby class, A / B ms: " + ", ".join(
+        f"{c} {by_a[c] / 1e3:.2f} / {by_b[c] / 1e3:.2f}" for c in sorted(set(by_a) | set(by_b))))
+    print(f"all kernels: A {sum(total_a.values()) / 1e3:.2f} ms, B {sum(total_b.values()) / 1e3:.2f} ms")
 
 
 def print_gaps(events, top):

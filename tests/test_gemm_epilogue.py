@@ -152,3 +152,25 @@ def test_each_epilogue_is_what_it_replaces(dtype, tol, epilogue):
 def test_fp32_takes_the_aten_path():
     torch.backends.cuda.matmul.allow_tf32 = False
     _compare(linear_gelu, _leaves(torch.float32, "cuda", rows=(2, 48), k=64, n=128), 2e-6)
+
+
+@cuda
+def test_a_first_call_inside_a_cuda_graph_capture_takes_the_heuristics_pick():
+    # choosing an algorithm times candidates and syncs, which a capture forbids: a shape first
+    # met inside one runs the heuristic's first algorithm and chooses nothing yet
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m, k, n = 136, 264, 392                       # a shape no other test uses
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", generator=g).to(torch.bfloat16) * k ** -0.5
+    before = len(cublaslt.chosen_algorithms())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        d = cublaslt.mm(a, b)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert d is not None and len(cublaslt.chosen_algorithms()) == before
+    torch.testing.assert_close(d.double(), a.double() @ b.double(), rtol=2e-2, atol=2e-2)
+    cublaslt.mm(a, b)                             # outside a capture it chooses
+    assert len(cublaslt.chosen_algorithms()) == before + 1

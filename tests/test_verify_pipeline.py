@@ -119,3 +119,30 @@ def test_cli_checks_pipeline_layouts(capsys):
     assert rc == 0, out
     for layout in ("tp=2 v=2 m=2 dp=2:", "tp=2 pp=2 v=2 m=2 dp=2:"):
         assert f"verify {layout} exact" in out, out
+
+
+def test_simulated_ranks_build_their_programs_one_at_a_time(monkeypatch):
+    # the ranks' graphs compute on one capture's FakeTensorMode, which is not thread-safe:
+    # two builds at once failed about once in a dozen runs (build_program's docstring). A
+    # pass that waits a while shows whether two ranks were ever inside the passes together.
+    import threading
+    import time
+
+    from fxmegatron.passes.runner import Pass
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def probe(gm):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        with lock:
+            inside[0] -= 1
+
+    real = vpipe.rank_passes
+    monkeypatch.setattr(vpipe, "rank_passes", lambda *a, **k: [Pass("probe", probe)] + list(real(*a, **k)))
+    fam = FAMILIES["llama"]
+    model, batch = fam.build(), make_batch(fam, seed=0)
+    report = fxmegatron.verify(model, batch, tp=2)
+    assert report.max_grad_err < 1e-4
+    assert most[0] == 1, f"{most[0]} ranks built their programs at once"

@@ -236,6 +236,9 @@ def _run(lib: _Lib, dtype: int, ca, cb, m: int, n: int, k: int, A: Tensor, B: Te
                  ctypes.c_void_p(D.data_ptr()), ld, ctypes.byref(algo.algo), ctypes.c_void_p(ws.data_ptr()),
                  ctypes.c_size_t(WORKSPACE_BYTES), ctypes.c_void_p(stream))
     if key not in lib.chosen:
+        if torch.cuda.is_current_stream_capturing():     # no timing (it syncs) inside a CUDA graph
+            launch(algos[0])
+            return D
         lib.chosen[key] = _fastest(launch, algos) if len(algos) > 1 else 0
     launch(algos[lib.chosen[key]])
     return D

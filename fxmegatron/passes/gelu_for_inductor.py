@@ -44,24 +44,21 @@ def _call(graph: fx.Graph, like: fx.Node, target, args, kwargs=None) -> fx.Node:
 
 def gelu_tanh_through_sigmoid(gm: fx.GraphModule) -> int:
     """Rewrite each tanh GeLU of ``gm`` and of its recomputed regions; returns how many."""
-    from fxmegatron.passes.recompute import Recomputed
+    from fxmegatron.passes.recompute import rewrite_each_node
+    return rewrite_each_node(gm, _through_sigmoid)
 
-    done = sum(gelu_tanh_through_sigmoid(m.body) for m in list(gm.modules()) if isinstance(m, Recomputed))
-    for n in list(gm.graph.nodes):
-        if not _tanh_gelu(n):
-            continue
-        dtype = n.meta["val"].dtype
-        call = functools.partial(_call, gm.graph, n)
-        with gm.graph.inserting_before(n):
-            x = call(aten._to_copy.default, (n.args[0],), {"dtype": torch.promote_types(dtype, torch.float32)})
-            inner = call(aten.add.Tensor, (call(aten.mul.Tensor, (call(aten.mul.Tensor, (x, x)), CUBIC)),
-                                           TWO_SQRT_2_OVER_PI))
-            s = call(aten.sigmoid.default, (call(aten.mul.Tensor, (x, inner)),))
-            y = call(aten._to_copy.default, (call(aten.mul.Tensor, (x, s)),), {"dtype": dtype})
-        n.replace_all_uses_with(y)
-        gm.graph.erase_node(n)
-        done += 1
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-    return done
+
+def _through_sigmoid(graph: fx.Graph, n: fx.Node) -> bool:
+    if not _tanh_gelu(n):
+        return False
+    dtype = n.meta["val"].dtype
+    call = functools.partial(_call, graph, n)
+    with graph.inserting_before(n):
+        x = call(aten._to_copy.default, (n.args[0],), {"dtype": torch.promote_types(dtype, torch.float32)})
+        inner = call(aten.add.Tensor, (call(aten.mul.Tensor, (call(aten.mul.Tensor, (x, x)), CUBIC)),
+                                       TWO_SQRT_2_OVER_PI))
+        s = call(aten.sigmoid.default, (call(aten.mul.Tensor, (x, inner)),))
+        y = call(aten._to_copy.default, (call(aten.mul.Tensor, (x, s)),), {"dtype": dtype})
+    n.replace_all_uses_with(y)
+    graph.erase_node(n)
+    return True

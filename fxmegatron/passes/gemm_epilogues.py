@@ -79,24 +79,21 @@ def _match(n: fx.Node, rule: EpilogueRule, dtypes) -> Optional[fx.Node]:
 
 def apply_gemm_epilogues(gm: fx.GraphModule, dtypes=DTYPES) -> int:
     """Rewrite every match in ``gm`` and its recomputed regions; returns how many."""
-    from fxmegatron.passes.recompute import Recomputed
+    from fxmegatron.passes.recompute import rewrite_each_node
+    return rewrite_each_node(gm, lambda graph, n: _fuse(graph, n, dtypes))
 
-    done = sum(apply_gemm_epilogues(m.body, dtypes) for m in list(gm.modules()) if isinstance(m, Recomputed))
-    for n in list(gm.graph.nodes):
-        c = _match(n, RULE, dtypes)
-        if c is None:
-            continue
-        x, w, b = n.args[0], n.args[1], _kwarg(n, "bias", 2, None)
-        with gm.graph.inserting_before(c):
-            fused = gm.graph.call_function(RULE.target, (x, w, b))
-        fused.meta["val"] = c.meta["val"]
-        copy_source(fused, c, also=("placement", "tp_rule"))
-        fused.meta["gemm_epilogue"] = RULE.name
-        c.replace_all_uses_with(fused)
-        gm.graph.erase_node(c)
-        gm.graph.erase_node(n)
-        done += 1
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-    return done
+
+def _fuse(graph: fx.Graph, n: fx.Node, dtypes) -> bool:
+    c = _match(n, RULE, dtypes)
+    if c is None:
+        return False
+    x, w, b = n.args[0], n.args[1], _kwarg(n, "bias", 2, None)
+    with graph.inserting_before(c):
+        fused = graph.call_function(RULE.target, (x, w, b))
+    fused.meta["val"] = c.meta["val"]
+    copy_source(fused, c, also=("placement", "tp_rule"))
+    fused.meta["gemm_epilogue"] = RULE.name
+    c.replace_all_uses_with(fused)
+    graph.erase_node(c)
+    graph.erase_node(n)
+    return True

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import FrozenSet, List, Optional, Sequence
+from typing import Callable, FrozenSet, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -81,6 +81,20 @@ class Recomputed(nn.Module):
                                                   for t in inputs):
             return self.body(*inputs)
         return checkpoint(self.body, *inputs, use_reentrant=True, preserve_rng_state=True)
+
+
+def rewrite_each_node(gm: fx.GraphModule, rewrite: Callable[[fx.Graph, fx.Node], bool]) -> int:
+    """Call ``rewrite(graph, node)`` on every node of ``gm`` and of its recomputed regions'
+    bodies (a rewrite of single nodes must reach the ops recomputation outlined); returns how
+    many it rewrote. Each graph it changed is linted and recompiled."""
+    done = 0
+    for g in [m.body for m in gm.modules() if isinstance(m, Recomputed)] + [gm]:
+        here = sum(bool(rewrite(g.graph, n)) for n in list(g.graph.nodes))
+        if here:
+            g.graph.lint()
+            g.recompile()
+        done += here
+    return done
 
 
 def _regions(gm: fx.GraphModule, policy: RecomputePolicy) -> List[List[fx.Node]]:

@@ -13,7 +13,6 @@ order and catch a list assembled wrongly; they are not proofs.
 """
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence
@@ -53,19 +52,6 @@ def check_shapes(gm: fx.GraphModule) -> None:
         FakeTensorProp(gm, mode).propagate(*inputs)
 
 
-def _release_suspended_fake_kernels(gm: fx.GraphModule) -> None:
-    """Tracing (torch.export, FakeTensorProp) can leave one of torch's fake-kernel context
-    managers suspended in a reference cycle, its fake mode flagged "inside a kernel" until the
-    cycle is collected. A pass that then computes on a node's FakeTensor fails ("fake_mode.
-    in_kernel_invocation must be False") or not, as the collector last ran: collect it first."""
-    for n in gm.graph.nodes:
-        mode = getattr(n.meta.get("val"), "fake_mode", None)
-        if mode is not None:
-            if mode.in_kernel_invocation and not torch._C._meta_in_tls_dispatch_include():
-                gc.collect()
-            return
-
-
 class PassRunner:
     """Applies ``passes`` in order; ``timings`` holds seconds per pass after a run."""
 
@@ -84,7 +70,6 @@ class PassRunner:
                 raise PassError(f"pass {p.name!r} requires {sorted(missing)}, which no pass before it "
                                 f"ensures ({self._history(done)})")
             t0 = time.perf_counter()
-            _release_suspended_fake_kernels(gm)
             try:
                 out = p.fn(gm)
             except FxMegatronError as exc:   # already names the node and the constraint

@@ -84,11 +84,26 @@ class SimulatedRank:
     coverage: Optional[Coverage] = None
 
 
+BUILD_LOCK = threading.Lock()     # build_program's docstring says why
+
+
 def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
                   dropout: bool, with_coverage: bool) -> SimulatedRank:
     """The program of tp rank ``tp_rank`` of replica ``dp_rank``, built by the compiler's own
     list of passes (``compiler.rank_passes``, its tp collectives on ``group_name``), then
-    materialised on the CPU as each pipeline rank would (every pipeline rank's stage)."""
+    materialised on the CPU as each pipeline rank would (every pipeline rank's stage).
+
+    Simulated ranks are threads, and every rank's graph computes on the FakeTensors of the
+    one capture, whose ``FakeTensorMode`` is not thread-safe: it flags "inside a kernel" on
+    the mode, not per thread, so a rank building while another's fake kernel runs failed
+    (``fake_mode.in_kernel_invocation must be False``) about once in a dozen runs. Builds
+    therefore take turns (``BUILD_LOCK``); the ranks' programs still run side by side."""
+    with BUILD_LOCK:
+        return _build_program(cap, lay, tp_rank, group_name, dp_rank, seed, dropout, with_coverage)
+
+
+def _build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
+                   dropout: bool, with_coverage: bool) -> SimulatedRank:
     gm = copy.deepcopy(cap.gm)
     axes = {"tp": Axis(lay.tp, tp_rank, group_name, tuple(range(lay.tp))), "pp": Axis(lay.pp),
             "dp": Axis(lay.dp, dp_rank)}
