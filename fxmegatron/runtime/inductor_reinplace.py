@@ -23,7 +23,10 @@ The op runs only in the loss's backward, so it appears only in backward graphs, 
 from __future__ import annotations
 
 import functools
+import hashlib
 import operator
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -33,17 +36,35 @@ aten = torch.ops.aten
 @functools.lru_cache(maxsize=None)
 def loss_grad_over_donated_logits():
     """The pass, as inductor's ``post_grad_custom_post_pass`` (made on first use: importing
-    inductor is not free)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    inductor is not free).
+
+    Its ``uuid`` is part of the key of inductor's FX graph cache and of AOT autograd's cache,
+    and it hashes every source file of fxmegatron (``package_hash``), not this file alone.
+    fxmegatron's custom ops reach those caches as single calls, and their autograd formulas
+    are not in the keys. Without this, a compiled backward made by an older fxmegatron, or
+    before an edit, would be served for the new formula with no error. That happened once
+    in a test (session 18's note)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class LossGradOverDonatedLogits(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             copy_back_donated_logits(graph)
 
         def uuid(self):
-            return get_hash_for_files((__file__,))
+            return package_hash()
 
     return LossGradOverDonatedLogits()
+
+
+def package_hash(root: Optional[Path] = None) -> str:
+    """sha256 over the paths and contents of every ``.py`` file under ``root`` (default: the
+    fxmegatron package)."""
+    root = Path(root or Path(__file__).resolve().parents[1])
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def copy_back_donated_logits(graph: torch.fx.Graph, donated=None) -> int:
