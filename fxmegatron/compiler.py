@@ -20,6 +20,7 @@ from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import ScheduleError, ShardingError
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_rewrites import attention_rewrites
+from fxmegatron.passes.compile_guards import refuse_known_miscompiles
 from fxmegatron.passes.context_parallel import apply_context_parallel
 from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
@@ -29,6 +30,7 @@ from fxmegatron.passes.fp8_gather import gather_in_fp8
 from fxmegatron.passes.fp8_share import share_fp8_quantization
 from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.gelu_for_inductor import gelu_tanh_through_sigmoid
+from fxmegatron.passes.gelu_formula import gelu_formula_to_op
 from fxmegatron.passes.gemm_epilogues import apply_gemm_epilogues
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.pipeline_split import split_pipeline
@@ -130,6 +132,11 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig, de
         passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
                            requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
+    if cfg.compile and device is not None and torch.device(device).type == "cuda":
+        passes.append(Pass("refuse_known_miscompiles", lambda gm: refuse_known_miscompiles(gm, tp.size),
+                           requires={"local_shapes"}))
+    if cfg.compile:     # a written-out tanh GeLU, as one op for the GeLU passes below
+        passes.append(Pass("gelu_formula", gelu_formula_to_op, requires={"local_shapes"}))
     if cfg.compile and device is not None and torch.device(device).type == "cuda":
         # before fuse: a GeLU in a GEMM's epilogue is not a fused group's
         passes.append(Pass("gemm_epilogues", apply_gemm_epilogues, requires={"local_shapes"}))

@@ -174,3 +174,16 @@ def test_a_first_call_inside_a_cuda_graph_capture_takes_the_heuristics_pick():
     torch.testing.assert_close(d.double(), a.double() @ b.double(), rtol=2e-2, atol=2e-2)
     cublaslt.mm(a, b)                             # outside a capture it chooses
     assert len(cublaslt.chosen_algorithms()) == before + 1
+
+
+@cuda
+def test_a_conv1d_weight_given_as_its_transposed_view():
+    # GPT-2's Conv1D keeps w as [k, n]; passes/gemm_epilogues hands the op w.t(), a view
+    x, w, b = _leaves(torch.bfloat16, "cuda", rows=(8, 128), k=256, n=384)
+    w_kn = w.detach().t().contiguous().requires_grad_()
+    leaves = [x, w_kn, b]
+    dy = torch.randn(8, 128, 384, device="cuda", dtype=torch.bfloat16)
+    y, (gx, gw, gb) = _grads(lambda x, w_kn, b: linear_gelu(x, w_kn.t(), b), leaves, dy)
+    y_ref, (rx, rw, rb) = _grads(lambda x, w_kn, b: _plain(x, w_kn.t(), b), leaves, dy)
+    for what, a, ref in (("output", y, y_ref), ("x", gx, rx), ("w", gw, rw), ("b", gb, rb)):
+        _close(a, ref, 1e-2, what)

@@ -50,6 +50,37 @@ def test_a_biased_linear_read_only_by_a_tanh_gelu_becomes_one_op():
     torch.testing.assert_close(gm(x, w, b)[0], ref)
 
 
+def _conv1d_graph(second_reader=False):
+    """GPT-2's Conv1D as traced: addmm(b, x [t, k], w [k, n]), a view back to [B, T, n], the GeLU."""
+    g = fx.Graph()
+
+    def ph(name, *shape):
+        n = g.placeholder(name)
+        n.meta["val"] = torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+        return n
+    x, w, b = ph("x", 8, 8), ph("w", 8, 16), ph("b", 16)
+    mm = g.call_function(aten.addmm.default, (b, x, w))
+    mm.meta["val"] = torch.empty(8, 16, dtype=torch.bfloat16, device="meta")
+    view = g.call_function(aten.view.default, (mm, [2, 4, 16]))
+    view.meta["val"] = torch.empty(2, 4, 16, dtype=torch.bfloat16, device="meta")
+    y = g.call_function(aten.gelu.default, (view,), {"approximate": "tanh"})
+    y.meta["val"] = view.meta["val"]
+    g.output((y, mm) if second_reader else (y,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_conv1d_addmm_and_its_view_read_only_by_a_tanh_gelu_become_one_op():
+    gm = _conv1d_graph()
+    assert apply_gemm_epilogues(gm) == 1
+    assert _targets(gm) == [aten.t.default, linear_gelu, aten.view.default]
+    x = torch.randn(8, 8, dtype=torch.bfloat16)
+    w, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+    ref = torch.nn.functional.gelu(torch.addmm(b, x, w).view(2, 4, 16), approximate="tanh")
+    torch.testing.assert_close(gm(x, w, b)[0], ref)
+    refused = _conv1d_graph(second_reader=True)
+    assert apply_gemm_epilogues(refused) == 0
+
+
 @pytest.mark.parametrize("case", [
     dict(approximate="none"),               # erf GeLU: cuBLASLt's is the tanh form
     dict(bias=False),                       # nothing for the bias epilogue
@@ -80,33 +111,39 @@ def test_the_compiler_runs_it_for_compiled_cuda_programs_only():
 
 
 def test_every_family_with_the_rewrite_is_its_plain_program():
-    """Two steps on different batches with masked labels, fp32 on CPU, the rewrite applied to
-    the program's graph with fp32 let in: GPT-BigCode's gelu_pytorch_tanh MLP is rewritten, the
-    families with other activations (erf GeLU, gelu_new's explicit formula, SwiGLU, gated
-    GeLU) are left as they are, and every loss and gradient is the plain program's."""
+    """Two steps on different batches with masked labels, fp32 on CPU, the GeLU formula rewrite
+    (``passes/gelu_formula.py``) and this one applied to the program's graph with fp32 let in:
+    GPT-BigCode's gelu_pytorch_tanh MLP is rewritten, and so are the gelu_new formulas of GPT-J
+    and Phi (linear) and GPT-2 (its Conv1D's addmm); the families with other activations (erf
+    GeLU, SwiGLU, gated GeLU, Bloom's own tanh form) are left as they are, and every loss and
+    gradient is the plain program's."""
+    from fxmegatron.passes.gelu_formula import gelu_formula_to_op
     from tests.families import FAMILIES, make_batch
     from tests.helpers import assert_same_two_steps
     rewritten = {}
     for name, fam in FAMILIES.items():
         model = fam.build(n_layer=1)
         fused = fxmegatron.parallelize(copy.deepcopy(model), None, make_batch(fam, 0))
+        gelu_formula_to_op(fused.graph_module)
         rewritten[name] = apply_gemm_epilogues(fused.graph_module, dtypes=(torch.float32,))
         if not rewritten[name]:
             continue
         plain = fxmegatron.parallelize(copy.deepcopy(model), None, make_batch(fam, 0))
         assert linear_gelu in _targets(fused.graph_module)
         assert_same_two_steps(name, fam, plain, fused)
-    assert {n for n, c in rewritten.items() if c} >= {"gpt_bigcode"}, rewritten
+    assert {n for n, c in rewritten.items() if c} == {"gpt_bigcode", "gpt2", "gptj", "phi"}, rewritten
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"sequence_parallel": True, "recompute": "full"}])
-def test_under_tensor_parallelism_it_is_the_unmodified_model(kwargs):
+@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("gpt", {"sequence_parallel": True, "recompute": "full"}),
+                                         ("gpt2", {"sequence_parallel": True})])
+def test_under_tensor_parallelism_it_is_the_unmodified_model(name, kwargs):
     """tp=2 (column-parallel first linear: its weight and bias shards, the GeLU on the shard),
-    with sequence parallelism and full recompute (the rule inside recomputed regions): three
-    AdamW steps on different batches match the unmodified GPT."""
+    with sequence parallelism and full recompute (the rule inside recomputed regions), and
+    GPT-2's Conv1D with its gelu_new formula: three AdamW steps on different batches match the
+    unmodified model."""
     from tests.distributed import run_distributed
     from tests.workers.gemm_epilogues import epilogue_parity
-    for r in run_distributed(epilogue_parity, 2, "gpt", 3, kwargs):
+    for r in run_distributed(epilogue_parity, 2, name, 3, kwargs):
         assert r["rewritten"] == 2             # one MLP in each of the two blocks
         for a, b in zip(r["losses"], r["losses_ref"]):
             assert abs(a - b) <= 1e-5 * abs(b), (r["losses"], r["losses_ref"])

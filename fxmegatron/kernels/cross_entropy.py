@@ -47,7 +47,7 @@ def ce_fwd(x_ptr, t_ptr, max_ptr, sum_ptr, pick_ptr, V, stride, BV: tl.constexpr
 
 
 @triton.jit
-def ce_bwd(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, V, stride, BV: tl.constexpr):
+def ce_bwd(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, V, stride, dx_stride, BV: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     mask = cols < V
@@ -56,7 +56,7 @@ def ce_bwd(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, V, stride, BV: tl.constexpr):
     g = tl.load(g_ptr + row)
     t = tl.load(t_ptr + row)
     d = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * g
-    tl.store(dx_ptr + row * V + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + row * dx_stride + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
 '''
 
 _BV_FWD, _BV_BWD = 2048, 1024
@@ -107,7 +107,7 @@ def vocab_ce_backward(logits: Tensor, local_target: Tensor, lse: Tensor, g: Tens
     narrow_on_host = not x.is_cuda and x.dtype != torch.float32
     dx = torch.empty((n, v), dtype=torch.float32 if narrow_on_host else x.dtype, device=x.device)
     bwd[(n, (v + _BV_BWD - 1) // _BV_BWD)](x, local_target.contiguous(), lse, g.contiguous(), dx, v,
-                                            x.stride(0), BV=_BV_BWD)
+                                            x.stride(0), dx.stride(0), BV=_BV_BWD)
     return dx.to(x.dtype) if narrow_on_host else dx
 
 
@@ -118,15 +118,18 @@ def _(logits, local_target, lse, g):
 
 @torch.library.custom_op("fxmegatron::vocab_ce_backward_", mutates_args=("logits",))
 def vocab_ce_backward_(logits: Tensor, local_target: Tensor, lse: Tensor, g: Tensor) -> None:
-    """``vocab_ce_backward`` written over ``logits`` (contiguous): each element is read, then
-    written, by the same program."""
+    """``vocab_ce_backward`` written over ``logits``: each element is read, then written, by the
+    same program. Rows may be further apart than V (under ``compile=True`` inductor pads the
+    row stride of a logits buffer whose V is not a multiple of its alignment, GPT-2's 50257):
+    the kernel writes each row at its own stride, as it reads it."""
     _, bwd = _kernels()
     n, v = logits.shape
-    if not logits.is_cuda and logits.dtype != torch.float32:     # the interpreter's rounding: as above
+    if logits.stride(-1) != 1 or (not logits.is_cuda and logits.dtype != torch.float32):
+        # columns not adjacent, or the interpreter's rounding (as above): out of place, copied back
         logits.copy_(vocab_ce_backward(logits, local_target, lse, g))
         return
     bwd[(n, (v + _BV_BWD - 1) // _BV_BWD)](logits, local_target.contiguous(), lse, g.contiguous(), logits, v,
-                                            logits.stride(0), BV=_BV_BWD)
+                                            logits.stride(0), logits.stride(0), BV=_BV_BWD)
 
 
 def _setup(ctx, inputs, output):
