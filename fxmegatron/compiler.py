@@ -66,7 +66,8 @@ def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_pa
 
     passes = [Pass("tensor_parallel", tensor_parallel, ensures={"tp_rewritten"})]
     passes.append(Pass("loss_reads_logits_dtype", loss_reads_logits_dtype, requires={"tp_rewritten"}))
-    passes.append(Pass("loss_grad_reuses_logits", loss_grad_reuses_logits, requires={"tp_rewritten"}))
+    passes.append(Pass("loss_grad_reuses_logits", lambda gm: loss_grad_reuses_logits(gm, tp),
+                       requires={"tp_rewritten"}))
     passes.append(Pass("attention_rewrites", attention_rewrites, requires={"tp_rewritten"}))
     if tp == 1:
         passes.append(Pass("drop_trivial_collectives", drop_trivial_collectives, requires={"tp_rewritten"}))

@@ -46,3 +46,23 @@ def test_an_unaligned_vocabulary_is_refused_compiled_on_cuda():
     batch = {k: v.cuda() for k, v in make_batch(fam, 0).items()}
     with pytest.raises(fxmegatron.errors.CompileError, match="multiple of 32"):
         fxmegatron.parallelize(model, None, batch, compile=True)
+
+
+def test_an_unaligned_vocabulary_compiled_with_the_rule_lifted(monkeypatch):
+    """The check that lets ``passes/compile_guards.py`` go: with the refusal lifted, a vocabulary
+    of 2053 compiled gives the uncompiled gradients (the in-place loss backward kept out, as
+    ``passes/loss_grad_in_place.py`` now does for unaligned rows)."""
+    import fxmegatron.compiler
+    monkeypatch.setattr(fxmegatron.compiler, "refuse_known_miscompiles", lambda gm, tp=1: 0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    fam = FAMILIES["gpt2"]
+    model = fam.build(vocab_size=2053).cuda()
+    cuda = lambda b: {k: v.cuda() for k, v in b.items()}     # noqa: E731
+    plain = fxmegatron.parallelize(copy.deepcopy(model), None, cuda(make_batch(fam, 0)))
+    compiled = fxmegatron.parallelize(copy.deepcopy(model), None, cuda(make_batch(fam, 0)), compile=True)
+    b = cuda(make_batch(fam, 1))
+    (l0, g0), (l1, g1) = _step(plain, b), _step(compiled, b)
+    assert abs(l1 - l0) <= 1e-5 * abs(l0), (l1, l0)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")

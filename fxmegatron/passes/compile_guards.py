@@ -14,26 +14,23 @@ With such a row the compiled program's loss was right and its gradients were wro
   gradient's elements differed.
 
 The same programs uncompiled were right, and the test families compiled with a vocabulary
-of 128 gave the uncompiled gradients exactly. The cause is not yet found, and no GPU was
-left to test the leading explanation, which is this:
+of 128 gave the uncompiled gradients exactly.
 
-* on CUDA, inductor's ``pad_mm`` rewrites the LM head's matmul on the joint graph, after
-  functionalization, when the vocabulary is unaligned. The logits become a slice of a wider
-  matmul, so their rows are further apart than V;
-* the loss's backward writes over the logits (``vocab_ce_backward_``, a mutating op). Its
-  functional form, ``auto_functionalized_v2``, records the view it mutates as an
-  ``as_strided`` with the strides of the traced, unpadded logits, and replays those strides
-  on the padded buffer. The kernel then reads misaligned rows.
+The cause, found on CPU afterwards:
 
-That explanation would predict two fixes: turning off the in-place backward
-(``passes/loss_grad_in_place.py``) for such programs, or turning off inductor's
-``shape_padding``. Either should be checked with ``tests/test_compile_cuda.py`` at an
-unaligned vocabulary before this rule is relaxed.
+* on CUDA, inductor's ``pad_mm`` pads the LM head's matmul on the joint graph when the
+  vocabulary is unaligned, after AOT autograd functionalized the loss's in-place backward;
+* ``auto_functionalized_v2`` replays the view of the logits it recorded, as an
+  ``as_strided`` with the unpadded strides, onto the padded buffer, so the kernel reads
+  misaligned rows.
 
-The write stride of the in-place backward was one real mistake (it wrote row r at r·V), and
-it is mended. The wrong gradients remained after the mend. Until the cause is found, the
-compiled program is refused, with the way out: pad the vocabulary, as Megatron does
-(``make-vocab-size-divisible-by``). The error names the node and its module.
+Forcing ``pad_mm`` on the CPU reproduces the wrong gradients.
+``passes/loss_grad_in_place.py`` now keeps the backward out of place for such rows, and the
+CPU reproduction then matches exactly (``tests/test_loss_grad_in_place.py``). No GPU time was
+left to see the fix hold on a GPU, so this rule still refuses.
+``tests/test_compile_cuda.py::test_an_unaligned_vocabulary_compiled_with_the_rule_lifted`` is
+the check. When it passes on a GPU, the rule can go. The error names the node and its module,
+and the way out: pad the vocabulary, as Megatron does (``make-vocab-size-divisible-by``).
 """
 from __future__ import annotations
 

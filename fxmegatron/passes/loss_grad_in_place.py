@@ -11,8 +11,18 @@ the out-of-place backward):
   ops whose backward saves their inputs, never their output), reached through view-like ops
   only (views, and casts to the dtype the tensor has), each used by the next alone, and none
   of them a graph output;
+* its logits row (V/t columns) is a multiple of ``ROW_ALIGN_BYTES`` bytes;
+
 so the loss holds the only reference that survives the forward, and writing over it changes
-no value anything else will read. Autograd's version counter still guards a second backward
+no value anything else will read. The alignment is for ``compile=True`` on CUDA. There
+inductor pads an unaligned vocabulary's matmul (``pad_mm``, on the joint graph) or buffer
+(comprehensive padding), and it does so after AOT autograd has functionalized the in-place
+backward. ``auto_functionalized_v2`` replays the view of the logits it recorded, as an
+``as_strided`` with the unpadded strides, onto the padded buffer, and the kernel reads
+misaligned rows. With HF GPT-2's vocabulary of 50257 the gradients were wrong on an H100
+(norm 42023.9 against 1.58). ``tests/test_loss_grad_in_place.py`` reproduces this on CPU with
+``pad_mm`` forced. An unaligned row keeps the out-of-place backward, which reads the logits
+as they are. Autograd's version counter still guards a second backward
 through the same graph (``retain_graph``): it raises instead of reading overwritten logits.
 """
 from __future__ import annotations
@@ -24,6 +34,7 @@ from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
 from fxmegatron.passes.loss_upcast import CASTS, VIEWS
 
 aten = torch.ops.aten
+ROW_ALIGN_BYTES = 128     # inductor's padding_alignment_bytes; pad_mm's alignment (16 bytes) divides it
 _MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default}
 
 
@@ -48,12 +59,23 @@ def _only_reader(loss: fx.Node) -> bool:
             and len(x.users) == 1 and not any(u.op == "output" for u in x.users))
 
 
-def loss_grad_reuses_logits(gm: fx.GraphModule) -> int:
-    """Mark every loss that meets the precondition (``reuse_logits=True``); returns how many."""
+def _aligned_rows(loss: fx.Node, tp: int) -> bool:
+    """The logits row is a multiple of ROW_ALIGN_BYTES bytes, whole and as each rank's share
+    (whichever the node's value holds)."""
+    v = loss.args[0].meta.get("val") if isinstance(loss.args[0], fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        return False
+    width, size = v.shape[-1], v.element_size()
+    return all(w * size % ROW_ALIGN_BYTES == 0 for w in {width, width // max(tp, 1)})
+
+
+def loss_grad_reuses_logits(gm: fx.GraphModule, tp: int = 1) -> int:
+    """Mark every loss that meets the precondition (``reuse_logits=True``); returns how many.
+    ``tp``: the tensor-parallel size (each rank's share of the row must be aligned too)."""
     done = 0
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is vocab_parallel_cross_entropy and not n.kwargs.get("reuse_logits"):
-            if len(n.args) <= 7 and _only_reader(n):
+            if len(n.args) <= 7 and _only_reader(n) and _aligned_rows(n, tp):
                 n.kwargs = {**n.kwargs, "reuse_logits": True}
                 done += 1
     return done
