@@ -7,7 +7,7 @@ The rule (``_match``; ``RULE`` names it in ``meta["gemm_epilogue"]``) holds for 
 
 * it is ``linear(x, w, b)`` with a bias, or ``addmm(b, x, w)`` with β = α = 1 whose one
   reader is a view of its output back to the activation's shape (Hugging Face's ``Conv1D``:
-  GPT-2, GPT-J's relatives), w then [k, n]; a bias-free linear keeps ATen's GEMM;
+  GPT-2 and its relatives), w then [k, n]; a bias-free linear keeps ATen's GEMM;
 * ``x``, ``w``, ``b`` and the output share a dtype, one of ``DTYPES`` (cuBLASLt's GeLU
   epilogues; fp32 and fp64 programs keep ATen's exact ops), ``w`` is 2-D and ``b`` one row
   of the output's width;
