@@ -133,13 +133,13 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig, de
         passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
                            requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
-    if cfg.compile and device is not None and torch.device(device).type == "cuda":
+    compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"
+    if compiled_on_cuda:
         passes.append(Pass("refuse_known_miscompiles", lambda gm: refuse_known_miscompiles(gm, tp.size),
                            requires={"local_shapes"}))
     if cfg.compile:     # a written-out tanh GeLU, as one op for the GeLU passes below
         passes.append(Pass("gelu_formula", gelu_formula_to_op, requires={"local_shapes"}))
-    if cfg.compile and device is not None and torch.device(device).type == "cuda":
-        # before fuse: a GeLU in a GEMM's epilogue is not a fused group's
+    if compiled_on_cuda:    # before fuse: a GeLU in a GEMM's epilogue is not a fused group's
         passes.append(Pass("gemm_epilogues", apply_gemm_epilogues, requires={"local_shapes"}))
     if cfg.fuse:
         passes.append(Pass("fuse", lambda gm: apply_fuse(gm, beside_inductor=bool(cfg.compile)),

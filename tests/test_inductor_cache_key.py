@@ -51,7 +51,7 @@ def test_a_changed_source_misses_the_compiled_backward_cache(tmp_path, monkeypat
     src.mkdir()
     (src / "op.py").write_text("FACTOR = 2.0\n")
     real = inductor_reinplace.package_hash
-    monkeypatch.setattr(inductor_reinplace, "package_hash", lambda: real(src))
+    monkeypatch.setattr(inductor_reinplace, "_installed_hash", lambda: real(src))   # the uuid's source
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setitem(FACTOR, 0, 2.0)
     with torch._inductor.config.patch(fx_graph_cache=True, fx_graph_remote_cache=False), \

@@ -1,10 +1,10 @@
 """Under ``compile=True`` on CUDA: refuse the programs fxmegatron is known to compile into
 wrong numbers, by name, before anything runs.
 
-One rule (``UNALIGNED_LOGITS``), from measurements on an H100 on 2026-11-25:
+One rule, from measurements on an H100 on 2026-11-25:
 
 * a vocab-parallel cross-entropy whose logits row (the rank's V/t columns) is not a
-  multiple of ``ALIGN_BYTES`` bytes.
+  multiple of ``ROW_ALIGN_BYTES`` bytes (``passes/loss_grad_in_place.py``'s alignment).
 
 With such a row the compiled program's loss was right and its gradients were wrong:
 
@@ -40,10 +40,7 @@ import torch.fx as fx
 from fxmegatron.capture import module_path
 from fxmegatron.errors import CompileError
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
-
-ALIGN_BYTES = 128         # inductor's padding_alignment_bytes (torch 2.11 and 2.13)
-UNALIGNED_LOGITS = ("the loss's logits row is a multiple of ALIGN_BYTES bytes (compile=True on CUDA: "
-                    "an unaligned row computed wrong gradients)")
+from fxmegatron.passes.loss_grad_in_place import ROW_ALIGN_BYTES
 
 
 def _producer_module(n: fx.Node) -> str:
@@ -66,13 +63,13 @@ def refuse_known_miscompiles(gm: fx.GraphModule, tp: int = 1) -> int:
             continue
         checked += 1
         width, size = v.shape[-1], v.element_size()
-        if width * size % ALIGN_BYTES:
-            multiple = ALIGN_BYTES // size * tp
+        if width * size % ROW_ALIGN_BYTES:
+            multiple = ROW_ALIGN_BYTES // size * tp
             raise CompileError(
                 f"compile=True on CUDA: the loss {n.name} (in {module_path(n) or '<top>'}, of the logits of "
                 f"{_producer_module(n.args[0])}) reads logits rows of "
                 f"{width} {str(v.dtype).replace('torch.', '')} columns on each of tp={tp} ranks, not a multiple of "
-                f"{ALIGN_BYTES} bytes. Compiled, such a program computed wrong gradients (GPT-2's vocabulary of "
+                f"{ROW_ALIGN_BYTES} bytes. Compiled, such a program computed wrong gradients (GPT-2's vocabulary of "
                 f"50257: a gradient norm 26 000 times the true one on an H100), so it is refused. Pad the "
                 f"vocabulary to a multiple of {multiple} (Hugging Face: model.resize_token_embeddings(n, "
                 f"pad_to_multiple_of={multiple})), or use compile=False.")

@@ -51,9 +51,15 @@ def loss_grad_over_donated_logits():
             copy_back_donated_logits(graph)
 
         def uuid(self):
-            return package_hash()
+            return _installed_hash()
 
     return LossGradOverDonatedLogits()
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_hash() -> str:
+    # the installed sources do not change within a process: read them once, not per compile
+    return package_hash()
 
 
 def package_hash(root: Optional[Path] = None) -> str:
