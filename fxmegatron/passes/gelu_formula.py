@@ -32,7 +32,7 @@ from fxmegatron.passes.node_meta import copy_source
 
 aten = torch.ops.aten
 
-SQRT_2_OVER_PI, CUBIC = math.sqrt(2 / math.pi), 0.044715
+SQRT_2_OVER_PI, CUBE_COEFF = math.sqrt(2 / math.pi), 0.044715   # the formula's own constants
 
 
 def _is(n, target) -> bool:
@@ -76,7 +76,7 @@ def _match(out: fx.Node) -> Optional[Tuple[fx.Node, List[fx.Node]]]:
         if not _is(inner, aten.add.Tensor) or len(inner.args) != 2 or inner.kwargs:
             continue
         for a, b in (inner.args, inner.args[::-1]):
-            cube = _operands(b, aten.mul.Tensor, CUBIC, dtype) if isinstance(b, fx.Node) else None
+            cube = _operands(b, aten.mul.Tensor, CUBE_COEFF, dtype) if isinstance(b, fx.Node) else None
             if a is x and _is(cube, aten.pow.Tensor_Scalar) and cube.args[0] is x and cube.args[1] in (3, 3.0):
                 chain = [(half, out), (one_plus, out), (t, one_plus), (t.args[0], t), (inner, t.args[0]),
                          (b, inner), (cube, b)]
