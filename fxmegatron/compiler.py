@@ -20,7 +20,6 @@ from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import ScheduleError, ShardingError
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_rewrites import attention_rewrites
-from fxmegatron.passes.compile_guards import refuse_known_miscompiles
 from fxmegatron.passes.context_parallel import apply_context_parallel
 from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
@@ -134,9 +133,6 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg: ParallelConfig, de
                            requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
     compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"
-    if compiled_on_cuda:
-        passes.append(Pass("refuse_known_miscompiles", lambda gm: refuse_known_miscompiles(gm, tp.size),
-                           requires={"local_shapes"}))
     if cfg.compile:     # a written-out tanh GeLU, as one op for the GeLU passes below
         passes.append(Pass("gelu_formula", gelu_formula_to_op, requires={"local_shapes"}))
     if compiled_on_cuda:    # before fuse: a GeLU in a GEMM's epilogue is not a fused group's

@@ -37,13 +37,14 @@ def test_same_numbers_with_the_gradient_in_place(family, dtype, kw, monkeypatch)
 
 def test_the_gradient_is_the_logits_storage():
     torch.manual_seed(0)
-    x = torch.randn(6, 10, requires_grad=True)
-    t = torch.randint(0, 10, (6,))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # the kernel runs where the tensors are
+    x = torch.randn(6, 10, requires_grad=True, device=dev)
+    t = torch.randint(0, 10, (6,), device=dev)
     for reuse in (False, True):
         logits = x * 1.0          # a fresh tensor, as a matmul's output
         seen = []
         logits.register_hook(lambda g: seen.append(g))
-        loss, _ = vocab_ce(logits, t, torch.ones(6, dtype=torch.bool), "", reuse)
+        loss, _ = vocab_ce(logits, t, torch.ones(6, dtype=torch.bool, device=dev), "", reuse)
         loss.sum().backward()
         assert (seen[0].data_ptr() == logits.data_ptr()) is reuse
         if not reuse:
