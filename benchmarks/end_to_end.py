@@ -187,7 +187,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # benchmarks/: the e2e package
 
 import e2e  # noqa: E402,F401  (puts examples/ and the repository root on sys.path)
-from e2e.builders import reference_losses  # noqa: E402
+from e2e.builders import initial_state, reference_losses  # noqa: E402
 from e2e.layouts import check_layout, parse_layout  # noqa: E402
 from e2e.measure import matmul_tflops, merge_rounds, run_guarded  # noqa: E402
 from e2e.models import HF_MODELS, MODEL_NAMES, build_spec  # noqa: E402
@@ -332,6 +332,8 @@ def bench(args, spec, layouts, env, launcher):
         if lead:
             print(f"check: plain model's first losses {[round(x, 6) for x in ref_losses]}, first gradient norm "
                   f"{ref_norm:.6g}", flush=True)
+    elif spec.kind != "gpt" and len({lay.kind == "fx" for lay in layouts}) == 2:
+        ref_state = initial_state(spec, dev, dtype)     # HF's own initialisation for the fx rows too
 
     runs = {lay.name: [] for lay in layouts}
     for r in range(args.rounds):

@@ -69,6 +69,46 @@ def _tiles(t, f):
         print(f"rows {tiles[0]:5d} bt {tiles[1]:3d} bn {tiles[2]:5d} warps {tiles[3]}: {ms:.4f} ms, {gb / ms:.2f} TB/s, max|diff| {err:.2e}")
 
 
+def _dgelu(t, h, f, kernels):
+    """The second linear's input gradient and the GeLU's backward: the GEMM then
+    ``kernels.gelu_backward`` (what ``ops.gemm_epilogue`` runs), against cuBLASLt's ``DGELU``
+    epilogue (the derivative in the GEMM) then a column sum for the bias gradient, and
+    ``DGELU_BGRAD``. The error is against dact·gelu'(pre) in fp32 from the bf16 operands."""
+    from triton.testing import do_bench
+
+    from fxmegatron.kernels import cublaslt
+    from fxmegatron.ops.gemm_epilogue import CUBIC, TWO_SQRT_2_OVER_PI, gelu_backward_bias, gelu_tanh_backward
+    dev, dt = "cuda", torch.bfloat16
+    dy = torch.randn(t, h, device=dev, dtype=dt)
+    w2 = torch.randn(h, f, device=dev, dtype=dt) * h ** -0.5
+    pre = torch.randn(t, f, device=dev, dtype=dt) * 2
+    exact = gelu_tanh_backward((dy.float() @ w2.float()), pre.float())
+    db_exact = exact.sum(0)
+
+    def separate():
+        return gelu_backward_bias(dy @ w2, pre)
+
+    def dgelu():
+        d = cublaslt.mm(dy, w2, "dgelu", aux=pre)
+        return d, d.sum(0, dtype=torch.float32).to(d.dtype)
+
+    def dgelu_bgrad():
+        db = torch.empty(f, device=dev, dtype=dt)
+        return cublaslt.mm(dy, w2, "dgelu_bgrad", bias=db, aux=pre), db
+    print(f"dact = dy·w2 [{t}, {f}] then gelu' and the bias gradient, bf16")
+    for name, fn in (("GEMM + gelu_backward_bias", separate), ("DGELU + sum", dgelu), ("DGELU_BGRAD", dgelu_bgrad)):
+        d, db = fn()
+        if d is None:
+            print(f"{name:28s} cuBLASLt has no algorithm")
+            continue
+        ms = do_bench(fn, warmup=20, rep=300)
+        err = (d.float() - exact).abs().max().item() / exact.abs().max().item()
+        derr = (db.float() - db_exact).abs().max().item() / db_exact.abs().max().item()
+        print(f"{name:28s} {ms:8.4f} ms   max|dpre err|/max {err:.2e}   max|db err|/max {derr:.2e}")
+        if kernels:
+            _kernels(fn)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
@@ -77,12 +117,16 @@ def main():
     ap.add_argument("--kernels", action="store_true", help="each row's kernels (torch.profiler, 5 steps)")
     ap.add_argument("--tiles", action="store_true",
                     help="only time kernels.gelu_backward's tile sizes against inductor's GeLU backward + sum")
+    ap.add_argument("--dgelu", action="store_true",
+                    help="only time the GeLU's backward: after the GEMM, or in cuBLASLt's DGELU epilogue")
     args = ap.parse_args()
     from triton.testing import do_bench
 
     t, h, f = args.tokens, args.hidden, args.ffn
     if args.tiles:
         return _tiles(t, f)
+    if args.dgelu:
+        return _dgelu(t, h, f, args.kernels)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, tokens {t}, hidden {h}, ffn {f}, bf16")
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(t, h, device=dev, dtype=dt, requires_grad=True)

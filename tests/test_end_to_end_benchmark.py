@@ -103,6 +103,22 @@ def test_hf_llama_eager_compile_fx_match_the_plain_model(tmp_path):
     assert {r["optimizer"] for r in data["rows"]} == {"FusedAdamW"}
 
 
+def test_without_check_the_fx_rows_start_from_the_hf_models_own_weights(tmp_path):
+    """No --check: the fx rows still train from the weights the plain HF model was built with
+    (HF GPT-2 scales its residual projections' initialisation, fxmegatron's own initialisation
+    of a meta-device model does not), so every row's losses are the same numbers."""
+    path = tmp_path / "rows.json"
+    cfg = json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64,
+                      "vocab_size": 96, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+    out = one_process(["--hf-config", cfg, "--device", "cpu", "--dtype", "float32", "--no-profile", "--steps", "2",
+                       "--warmup", "1", "--seq", "32", "--global-batch", "2", "--layouts", "eager,fx",
+                       "--json", str(path)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["layout"]: r["losses"] for r in json.load(open(path))["rows"]}
+    for a, b in zip(rows["fx"], rows["eager"]):
+        assert abs(a - b) <= 1e-5 * abs(b), rows
+
+
 def test_hf_llama_native_tp2_and_fx_tp2_match_the_plain_model():
     """torchtitan's Llama plan on HF's module names (sequence parallel, loss parallel over the
     model's own loss, the tied LM head tied again) and fxmegatron tp2+sp: both exact."""

@@ -176,6 +176,24 @@ def test_a_first_call_inside_a_cuda_graph_capture_takes_the_heuristics_pick():
     assert len(cublaslt.chosen_algorithms()) == before + 1
 
 
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_the_weight_gradient_arrives_in_the_parameters_layout(conv1d):
+    """A Linear's [n, k] weight and a Conv1D's [k, n] one (handed to the op as its transposed
+    view): the gradient reaching the parameter is contiguous like it, so autograd keeps it
+    instead of copying it into a contiguous tensor (a copy kernel per MLP on a GPU); and it is
+    the linear's gradient."""
+    x, w, b = _leaves(torch.float64, "cpu")
+    param = w.detach().t().contiguous().requires_grad_() if conv1d else w
+    weight = (lambda p: p.t()) if conv1d else (lambda p: p)
+    seen = []
+    param.register_hook(lambda g: seen.append(g.is_contiguous()))
+    dy = torch.randn(*x.shape[:-1], w.shape[0], dtype=torch.float64)
+    _, (_, gw, _) = _grads(lambda x, p, b: linear_gelu(x, weight(p), b), [x, param, b], dy)
+    _, (_, rw, _) = _grads(lambda x, p, b: _plain(x, weight(p), b), [x, param, b], dy)
+    assert seen[0], "the weight's gradient is not in the parameter's layout"
+    _close(gw, rw, 1e-13, "grad of w")
+
+
 @cuda
 def test_a_conv1d_weight_given_as_its_transposed_view():
     # GPT-2's Conv1D keeps w as [k, n]; passes/gemm_epilogues hands the op w.t(), a view

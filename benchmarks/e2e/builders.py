@@ -171,6 +171,18 @@ def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
 BUILDERS = {"eager": build_eager, "compile": build_eager, "native": build_native, "fx": build_fx}
 
 
+def initial_state(spec, dev, dtype):
+    """The plain model's initial weights (on CPU). fxmegatron initialises a model built on the
+    meta device itself (N(0, 0.02), ``runtime/materialize.py``), which is not every HF model's
+    own initialisation (GPT-2 scales its residual projections by 1/√(2·layers)): handed these,
+    the fx rows start from the weights the other rows start from, and the loss columns compare."""
+    model = spec.plain(dev, dtype)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    del model
+    gc.collect()
+    return state
+
+
 def reference_losses(spec, args, dev, dtype, batch, steps=2):
     """The plain model's first losses and first gradient norm (the --check reference), trained
     with the run's optimizer, and its initial weights (on CPU)."""

@@ -6,7 +6,8 @@ cuBLASLt has them (``cublasLtEpilogue_t``, cuBLAS documentation):
 
 * ``GELU_AUX_BIAS``: D = gelu(A·B + bias), and the pre-activation A·B + bias written to an aux
   matrix in the same pass;
-* ``DGELU_BGRAD``: D = (A·B) ⊙ gelu'(aux), and the bias gradient Σ D over D's columns;
+* ``DGELU``: D = (A·B) ⊙ gelu'(aux);
+* ``DGELU_BGRAD``: the same, and the bias gradient Σ D over D's columns;
 * ``BGRADB``: D = A·B, and the bias gradient Σ op(B) over the GEMM's k dimension.
 
 The GeLU is the tanh approximation, ½x(1 + tanh(√(2/π)(x + 0.044715x³))). Everything runs in
@@ -41,7 +42,7 @@ _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _PREF_MAX_WORKSPACE = 1
 _PREF_ALIGN = (5, 6, 7, 8)          # MIN_ALIGNMENT_{A,B,C,D}_BYTES
-EPILOGUES = {"default": 1, "bias": 4, "gelu_aux_bias": 164, "dgelu_bgrad": 208, "bgradb": 512}
+EPILOGUES = {"default": 1, "bias": 4, "gelu_aux_bias": 164, "dgelu": 192, "dgelu_bgrad": 208, "bgradb": 512}
 WORKSPACE_BYTES = 32 << 20
 CANDIDATES, TIMED_RUNS = 8, 3
 
@@ -192,7 +193,7 @@ def mm(a: Tensor, b: Tensor, epilogue: str = "default", bias: Optional[Tensor] =
       ``a`` over k: in a linear's weight gradient dW = dyᵀ·x, ``a`` is dyᵀ and this is Σ dy over
       tokens);
     * ``aux`` [m, n] row-major: written by "gelu_aux_bias" (the pre-activation), read by
-      "dgelu_bgrad".
+      "dgelu" and "dgelu_bgrad".
     """
     lib = _lib()
     dtype = _DTYPES.get(a.dtype)
