@@ -30,13 +30,13 @@ import torch.fx as fx
 
 from fxmegatron.ops.gemm_epilogue import EPILOGUE_DTYPES, linear_gelu
 from fxmegatron.passes.node_meta import copy_source
+from fxmegatron.passes.views import is_view
 
 aten = torch.ops.aten
 
 
 RULE = "linear+gelu(tanh) -> cuBLASLt GELU_AUX_BIAS"
 DTYPES = EPILOGUE_DTYPES
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _kwarg(n: fx.Node, name: str, pos: int, default):
@@ -59,7 +59,7 @@ def _operands(n: fx.Node):
         return (n.args[0], n.args[1], b, False, n) if isinstance(b, fx.Node) else None
     if n.target is aten.addmm.default and len(n.args) == 3 and not n.kwargs:
         view = _only_user(n)
-        if view is None or view.target not in VIEWS or view.args[0] is not n:
+        if view is None or not is_view(view) or view.args[0] is not n:
             return None
         return n.args[1], n.args[2], n.args[0], True, view
     return None

@@ -31,7 +31,8 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
-from fxmegatron.passes.loss_upcast import CASTS, VIEWS
+from fxmegatron.passes.loss_upcast import CASTS
+from fxmegatron.passes.views import is_view, under_views
 
 aten = torch.ops.aten
 ROW_ALIGN_BYTES = 128     # inductor's padding_alignment_bytes; pad_mm's alignment (16 bytes) divides it
@@ -40,7 +41,7 @@ _MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmu
 
 def _view_like(n: fx.Node) -> bool:
     """A view, or a cast to the dtype it already has (``logits.float()`` of fp32 logits)."""
-    if n.target in VIEWS:
+    if is_view(n):
         return True
     if n.target in CASTS and isinstance(n.args[0], fx.Node):
         a, b = n.args[0].meta.get("val"), n.meta.get("val")
@@ -50,11 +51,7 @@ def _view_like(n: fx.Node) -> bool:
 
 
 def _only_reader(loss: fx.Node) -> bool:
-    x = loss.args[0]
-    while isinstance(x, fx.Node) and x.op == "call_function" and _view_like(x):
-        if len(x.users) != 1:
-            return False
-        x = x.args[0]
+    x, _ = under_views(loss.args[0], _view_like)
     return (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _MATMULS
             and len(x.users) == 1 and not any(u.op == "output" for u in x.users))
 

@@ -24,10 +24,10 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
+from fxmegatron.passes.views import under_views
 
 aten = torch.ops.aten
 CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _NARROW = {torch.bfloat16, torch.float16}
 OUT_DTYPE = 6      # vocab_parallel_cross_entropy's out_dtype argument
 
@@ -42,11 +42,7 @@ def _cast_dtype(n: fx.Node):
 
 def _upcast_before(loss: fx.Node):
     """(cast node, views from the cast to the loss) when ``loss`` meets the precondition."""
-    views = []
-    x = loss.args[0]
-    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in VIEWS and len(x.users) == 1:
-        views.append(x)
-        x = x.args[0]
+    x, views = under_views(loss.args[0])
     if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in CASTS and len(x.users) == 1):
         return None
     src = x.args[0]
