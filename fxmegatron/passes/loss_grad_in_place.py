@@ -11,7 +11,7 @@ the out-of-place backward):
   ops whose backward saves their inputs, never their output), reached through view-like ops
   only (views, and casts to the dtype the tensor has), each used by the next alone, and none
   of them a graph output;
-* its logits row (V/t columns) is a multiple of ``ROW_ALIGN_BYTES`` bytes;
+* each rank's share of its logits row (V/t columns) is a multiple of ``ROW_ALIGN_BYTES`` bytes;
 
 so the loss holds the only reference that survives the forward, and writing over it changes
 no value anything else will read. The alignment is for ``compile=True`` on CUDA. There
@@ -57,13 +57,14 @@ def _only_reader(loss: fx.Node) -> bool:
 
 
 def _aligned_rows(loss: fx.Node, tp: int) -> bool:
-    """The logits row is a multiple of ROW_ALIGN_BYTES bytes, whole and as each rank's share
-    (whichever the node's value holds)."""
+    """Each rank's share of the logits row is a multiple of ROW_ALIGN_BYTES bytes. The pass runs
+    before ``check_local_shapes`` (compiler.py), so the node's value holds the whole row, of which
+    each of the ``tp`` ranks holds an equal share (not equal: refused)."""
     v = loss.args[0].meta.get("val") if isinstance(loss.args[0], fx.Node) else None
     if not isinstance(v, torch.Tensor):
         return False
-    width, size = v.shape[-1], v.element_size()
-    return all(w * size % ROW_ALIGN_BYTES == 0 for w in {width, width // max(tp, 1)})
+    width, tp = v.shape[-1], max(tp, 1)
+    return width % tp == 0 and width // tp * v.element_size() % ROW_ALIGN_BYTES == 0
 
 
 def loss_grad_reuses_logits(gm: fx.GraphModule, tp: int = 1) -> int:
