@@ -171,7 +171,8 @@ copies: 39 tensors per microbatch instead of 1).
 This script parses the arguments and runs the rounds; the parts are in benchmarks/e2e/:
 models (the model, its batch, loss and FLOPs), layouts (the names above), optimizers and
 master_weights (--optimizer), builders and hf_builders (each framework's model), measure
-(timing, memory), profiling (the breakdown), report (the table, the --check, --json).
+(timing, memory), interleave (--interleave: the layouts alternated step by step), profiling
+(the breakdown), report (the table, the --check, --json).
 """
 from __future__ import annotations
 
@@ -192,8 +193,9 @@ from e2e.layouts import check_layout, parse_layout  # noqa: E402
 from e2e.measure import matmul_tflops, merge_rounds, run_guarded  # noqa: E402
 from e2e.models import HF_MODELS, MODEL_NAMES, build_spec  # noqa: E402
 from e2e.optimizers import OPTIMIZERS  # noqa: E402
-from e2e.report import (CHECK_RTOL, check_rows, print_header, print_round, print_rounds,  # noqa: E402
-                        print_table, write_json)
+from e2e.interleave import run_interleaved  # noqa: E402
+from e2e.report import (CHECK_RTOL, check_rows, print_header, print_paired, print_round,  # noqa: E402
+                        print_rounds, print_table, write_json)
 
 from fxmegatron.runtime.distributed import init_from_env, make_mesh, read_env  # noqa: E402
 
@@ -224,6 +226,10 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the layouts this many times, every other round in reverse order; a row's step "
                          "time is the median over all its rounds' timed steps")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every layout first, then alternate them step by step, every other pass reversed; "
+                         "each row gets its step times paired with the first layout's (e2e/interleave.py); "
+                         "no peak memory, no profile")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="fused",
                     help="every row's optimizer: fused (fxmegatron's FusedAdamW, the clip folded in) or master "
@@ -271,6 +277,8 @@ def main(argv=None):
         problems.append(f"--check compares losses to {CHECK_RTOL} relative: use --dtype float32")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         problems.append("--steps and --rounds must be >= 1 and --warmup >= 0")
+    if args.interleave and args.rounds > 1:
+        problems.append("--interleave alternates the layouts at every step: give --steps, not --rounds")
     if spec is not None and spec.kind == "gpt" and spec.hidden % spec.heads:
         problems.append(f"--hidden {spec.hidden} is not divisible by --heads {spec.heads}")
     layouts = []
@@ -335,23 +343,33 @@ def bench(args, spec, layouts, env, launcher):
     elif spec.kind != "gpt" and len({lay.kind == "fx" for lay in layouts}) == 2:
         ref_state = initial_state(spec, dev, dtype)     # HF's own initialisation for the fx rows too
 
-    runs = {lay.name: [] for lay in layouts}
-    for r in range(args.rounds):
-        # every other round backwards: each layout runs early and late alike, so a drift of the
-        # GPU's clock (it runs at its power limit) does not favour the layout that runs first
-        for lay in (layouts if r % 2 == 0 else layouts[::-1]):
-            row = run_guarded(lay, spec, args, dev, dtype, batch, meshes,
-                              ref_state if lay.kind == "fx" else None, peak_tflops, profile=r == args.rounds - 1)
-            runs[lay.name].append(row)
-            if lead:
-                print_round(row, lay.name, r, args.rounds)
-    rows = [dict(merge_rounds(runs[lay.name], spec, world, peak_tflops), label=lay.label) for lay in layouts]
+    if args.interleave:
+        rows = run_interleaved(layouts, spec, args, dev, dtype, batch, meshes,
+                               lambda lay: ref_state if lay.kind == "fx" else None, peak_tflops)
+        rows = [dict(row, label=lay.label) for row, lay in zip(rows, layouts)]
+        if lead:
+            for row in rows:
+                print_round(row, row["layout"], 0, 1)
+    else:
+        runs = {lay.name: [] for lay in layouts}
+        for r in range(args.rounds):
+            # every other round backwards: each layout runs early and late alike, so a drift of the
+            # GPU's clock (it runs at its power limit) does not favour the layout that runs first
+            for lay in (layouts if r % 2 == 0 else layouts[::-1]):
+                row = run_guarded(lay, spec, args, dev, dtype, batch, meshes,
+                                  ref_state if lay.kind == "fx" else None, peak_tflops,
+                                  profile=r == args.rounds - 1)
+                runs[lay.name].append(row)
+                if lead:
+                    print_round(row, lay.name, r, args.rounds)
+        rows = [dict(merge_rounds(runs[lay.name], spec, world, peak_tflops), label=lay.label) for lay in layouts]
 
     failed_check = False
     if lead:
         print()
         print_table(rows)
         print_rounds(rows)
+        print_paired(rows)
     if args.check:
         failed_check = check_rows(rows, ref_losses, ref_norm, lead)
     if lead and args.json:

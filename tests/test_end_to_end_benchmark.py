@@ -79,6 +79,26 @@ def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path):
         assert r["model_ms"] + r["optim_ms"] <= 1.1 * r["step_ms"] + 1.0, r
 
 
+def test_interleave_alternates_the_layouts_step_by_step_and_pairs_their_times(tmp_path):
+    """--interleave: both layouts built first, then one timed step of each per pass, every other
+    pass reversed (eager fx, fx eager, eager fx); each row's ``paired`` is the median over the
+    passes of eager's step time over its own, and no row claims a peak memory of its own."""
+    path = tmp_path / "rows.json"
+    out = one_process(["--tiny", *SMOKE, "--steps", "3", "--warmup", "1", "--layers", "2",
+                       "--layouts", "eager,fx", "--interleave", "--json", str(path)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.load(open(path))["rows"]}
+    started = sorted((t, name) for name, r in rows.items() for t in r["step_starts_s"])
+    assert [name for _, name in started] == ["eager", "fx", "fx", "eager", "eager", "fx"], started
+    ratios = sorted(a / b for a, b in zip(rows["eager"]["step_ms_in_order"], rows["fx"]["step_ms_in_order"]))
+    assert rows["fx"]["paired"][0] == ratios[1] and rows["fx"]["paired_with"] == "eager"
+    assert sorted(rows["fx"]["step_ms_in_order"]) == rows["fx"]["step_ms_all"]
+    assert all(r["check"]["ok"] and r["peak_gib"] is None for r in rows.values())
+    assert "fx: paired with eager step by step" in out.stdout
+    refused = one_process(["--tiny", *SMOKE, "--layouts", "eager,fx", "--interleave", "--rounds", "2"])
+    assert refused.returncode == 2 and "--interleave alternates the layouts" in refused.stderr
+
+
 def test_master_optimizer_for_every_row_and_fadam_refused(tmp_path):
     """--optimizer master: every row MasterWeightAdamW (after torch-style clipping), still equal to
     the plain model; an -fadam layout then contradicts the run and is refused."""

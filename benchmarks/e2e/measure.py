@@ -94,79 +94,108 @@ def slowest_rank(times, dev):
     return t.tolist()
 
 
-def run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True, builders=None):
-    """Build ``lay`` (with ``builders[lay.kind]``, default ``BUILDERS``), run --warmup and --steps
-    timed steps (and a profiled one); returns its row."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t0 = time.perf_counter()
-    job = (builders or BUILDERS)[lay.kind](lay, spec, dev, dtype, batch, meshes=meshes, ref_state=ref_state)
-    build_s = time.perf_counter() - t0
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    opt, optim_step = make_optimizer(args.optimizer, job, args.lr, dev)
-    norms, clock = [], PhaseClock(dev)
+class LayoutRun:
+    """One layout built and ready to step: its job, optimizer, losses, gradient norms and timed
+    steps (``times``, each the slowest rank's, in the order they ran)."""
 
-    def step(timed=False):
+    def __init__(self, lay, spec, args, dev, dtype, batch, meshes, ref_state, builders=None):
+        self.lay, self.args, self.dev = lay, args, dev
+        t0 = time.perf_counter()
+        self.job = (builders or BUILDERS)[lay.kind](lay, spec, dev, dtype, batch, meshes=meshes, ref_state=ref_state)
+        self.build_s = time.perf_counter() - t0
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        self.opt, self.optim_step = make_optimizer(args.optimizer, self.job, args.lr, dev)
+        self.norms, self.clock, self.losses, self.warmup_s = [], PhaseClock(dev), [], 0.0
+        self.times, self.starts = [], []
+
+    def step(self, timed=False):
+        clock = self.clock
         t0 = clock.mark() if timed else None
-        loss = job.fwd_bwd()
-        norms.append(job.norm())       # the gradient norm before clipping
+        loss = self.job.fwd_bwd()
+        self.norms.append(self.job.norm())       # the gradient norm before clipping
         t1 = clock.mark() if timed else None
-        optim_step(norms[-1])
+        self.optim_step(self.norms[-1])
         if timed:
             clock.add(t0, t1, clock.mark())
         return loss.detach()
 
-    losses = []
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        losses.append(step())
-    sync(dev)
-    warmup_s = time.perf_counter() - t0
-    times = []
-    for _ in range(args.steps):
-        sync(dev)
+    def warmup(self, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.losses.append(self.step())
+        sync(self.dev)
+        self.warmup_s = time.perf_counter() - t0
+
+    def timed_step(self):
+        """One step between a synchronize and a barrier before and a synchronize after; its wall
+        time goes to ``times`` (this rank's until ``row`` takes the slowest rank's)."""
+        sync(self.dev)
         dist.barrier()
         t0 = time.perf_counter()
-        losses.append(step(timed=True))
-        sync(dev)
-        times.append(time.perf_counter() - t0)
-    clock.collect()
-    times = sorted(slowest_rank(times, dev))
-    model_ms = sorted(t * 1e3 for t in slowest_rank(clock.model, dev))
-    optim_ms = sorted(t * 1e3 for t in slowest_rank(clock.optim, dev))
+        self.losses.append(self.step(timed=True))
+        sync(self.dev)
+        self.times.append(time.perf_counter() - t0)
+        self.starts.append(t0)
 
+    def row(self, spec, peak_tflops, prof=None, peak_memory=True):
+        """The layout's row from its timed steps; ``peak_memory=False`` leaves the peak out (when
+        other layouts' tensors share the GPU)."""
+        dev = self.dev
+        self.clock.collect()
+        in_order = slowest_rank(self.times, dev)
+        times = sorted(in_order)
+        model_ms = sorted(t * 1e3 for t in slowest_rank(self.clock.model, dev))
+        optim_ms = sorted(t * 1e3 for t in slowest_rank(self.clock.optim, dev))
+        peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0],
+                            dtype=torch.float64, device=dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        vals = [float(x) for x in self.losses]
+        first_norm = full_tensor(self.norms[0]).item() if self.norms else None
+        lay = self.lay
+        row = {"layout": lay.name, **rates(median(times), spec, dist.get_world_size(), peak_tflops),
+               "model_ms": median(model_ms), "optim_ms": median(optim_ms), "optimizer": OPTIMIZERS[self.args.optimizer],
+               "peak_gib": peak.item() if dev.type == "cuda" and peak_memory else None,
+               "loss_first": vals[0], "loss_last": vals[-1], "losses": vals, "grad_norm_first": first_norm,
+               "build_s": self.build_s, "warmup_s": self.warmup_s,
+               "step_ms_all": [t * 1e3 for t in times], "step_ms_in_order": [t * 1e3 for t in in_order],
+               "step_starts_s": list(self.starts),
+               "model_ms_all": model_ms, "optim_ms_all": optim_ms,
+               "microbatches": lay.m, "layout_spec": asdict(lay)}
+        if prof:
+            row.update(prof)
+        return row
+
+    def close(self):
+        del self.job, self.opt, self.optim_step, self.losses, self.norms
+
+
+def run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True, builders=None):
+    """Build ``lay`` (with ``builders[lay.kind]``, default ``BUILDERS``), run --warmup and --steps
+    timed steps (and a profiled one); returns its row."""
+    run = LayoutRun(lay, spec, args, dev, dtype, batch, meshes, ref_state, builders)
+    run.warmup(args.warmup)
+    for _ in range(args.steps):
+        run.timed_step()
     prof = None
     if profile and not args.no_profile:
-        prof = profiled_step(step, lay, args, dev, rank)
-
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0],
-                        dtype=torch.float64, device=dev)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    vals = [float(x) for x in losses]
-    first_norm = full_tensor(norms[0]).item() if norms else None
-    row = {"layout": lay.name, **rates(median(times), spec, world, peak_tflops),
-           "model_ms": median(model_ms), "optim_ms": median(optim_ms), "optimizer": OPTIMIZERS[args.optimizer],
-           "peak_gib": peak.item() if dev.type == "cuda" else None,
-           "loss_first": vals[0], "loss_last": vals[-1], "losses": vals, "grad_norm_first": first_norm,
-           "build_s": build_s, "warmup_s": warmup_s,
-           "step_ms_all": [t * 1e3 for t in times], "model_ms_all": model_ms, "optim_ms_all": optim_ms,
-           "microbatches": lay.m, "layout_spec": asdict(lay)}
-    if prof:
-        row.update(prof)
-    del job, opt, optim_step, step, losses, norms
+        prof = profiled_step(run.step, lay, args, dev, dist.get_rank())
+    row = run.row(spec, peak_tflops, prof)
+    run.close()
     return row
 
 
-def run_guarded(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True, builders=None):
-    """run_layout, with every rank learning whether any rank failed."""
+def attempt(fn, name, args, dev, meshes):
+    """(``fn()``, None), or (None, an error row naming the first rank that failed) when ``fn``
+    raised on any rank: every rank learns of a failure on any."""
     rank = dist.get_rank()
-    row, err, tb = None, None, None
+    value, err, tb = None, None, None
     if args.hang_dump:     # a layout that hangs (in a collective, say) shows where, every rank
         faulthandler.dump_traceback_later(args.hang_dump, exit=False)
     try:
-        row = run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile, builders)
+        value = fn()
     except Exception as exc:    # noqa: BLE001 -- an OOM or a framework error becomes an "error" row
         err = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
         tb = traceback.format_exc()
@@ -176,19 +205,31 @@ def run_guarded(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflo
             faulthandler.cancel_dump_traceback_later()
     failed = torch.tensor([0.0 if err is None else 1.0], device=dev)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        errs = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err)
-        first = next(i for i, e in enumerate(errs) if e is not None)
-        if rank == first:
-            print(f"[rank {rank}] layout {lay.name} failed:\n{tb}", file=sys.stderr, flush=True)
-        row = {"layout": lay.name, "error": f"rank {first}: {errs[first]}"}
-        forget_failure(meshes)
+    if not failed.item():
+        return value, None
+    errs = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    first = next(i for i, e in enumerate(errs) if e is not None)
+    if rank == first:
+        print(f"[rank {rank}] layout {name} failed:\n{tb}", file=sys.stderr, flush=True)
+    forget_failure(meshes)
+    return None, {"layout": name, "error": f"rank {first}: {errs[first]}"}
+
+
+def release(dev):
+    """Give the GPU memory and torch.compile's caches of the layouts just run back."""
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return row
+
+
+def run_guarded(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops, profile=True, builders=None):
+    """run_layout, with every rank learning whether any rank failed."""
+    row, error = attempt(lambda: run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflops,
+                                            profile, builders), lay.name, args, dev, meshes)
+    release(dev)
+    return error or row
 
 
 def forget_failure(meshes):

@@ -91,6 +91,15 @@ def print_rounds(rows):
                   + " ms")
 
 
+def print_paired(rows):
+    """--interleave: each row's step times against the first layout's, pass by pass."""
+    for r in rows:
+        if "paired" in r and r["layout"] != r["paired_with"]:
+            mid, lo, hi = r["paired"]
+            print(f"  {r['layout']}: paired with {r['paired_with']} step by step, {r['paired_with']}'s time / this "
+                  f"row's: median {mid:.4f} (middle half {lo:.4f}-{hi:.4f}, {len(r['step_ms_in_order'])} passes)")
+
+
 def check_rows(rows, ref_losses, ref_norm, lead):
     """--check: compare each row's first losses and first gradient norm with the plain model's
     (``CHECK_RTOL`` relative), record the result in the row (``row["check"]``) and print it on
