@@ -2,7 +2,8 @@
 
 Several rewrites look through the reshapes that sit between two ops they pair (the matmul that
 made the logits and the loss, a cast and the loss, an addmm and its GeLU): the ops here change
-a tensor's shape and never its values or its storage.
+a tensor's shape and never its values (``reshape`` may copy a strided input; a rewrite that
+writes through the chain then writes a copy no other op reads).
 """
 from __future__ import annotations
 
