@@ -80,6 +80,13 @@ number of processes):
   length, and so the rotary positions, off the embedding's output); HF's attention views
   ``(*input_shape, -1, head_dim)``, so the local heads need no change
   (benchmarks/e2e/hf_builders.py says more).
+- ``native-tpN-async``: the same with torchtitan's async tensor parallelism: symmetric memory
+  enabled for the tp group and inductor's ``_micro_pipeline_tp`` on, so the compiled layers'
+  all-gather + matmul and matmul + reduce-scatter become torch's fused symmetric-memory ops.
+  Both settings are process-wide (as for a torchtitan user): rows built after it compile
+  with the flag on too. On torch 2.11 (two H100s, bf16) an fxmegatron row built after this one,
+  or this row built after an fxmegatron row, trains wrong from its first gradient (docs/TRAINING.md,
+  "Beside torch's async TP"): run it in a job of its own until that is understood.
 - ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-fp8|-fp8row][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device (an HF model as fxmegatron's trainer builds it). tp > 1 turns sequence

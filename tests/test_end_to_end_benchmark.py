@@ -161,6 +161,27 @@ def test_layout_names_give_the_compile_mode():
         parse_layout("eager-autotune", 8)
 
 
+def test_native_async_layout_turns_async_tp_on():
+    """``native-tpN-async`` is torchtitan's async TP: the layout says so, the flag reaches only
+    native rows, and the builder turns inductor's micro-pipeline pass on."""
+    from end_to_end import parse_layout
+    from e2e.builders import enable_async_tp
+    lay = parse_layout("native-tp2-async", 8)
+    assert lay.async_tp and lay.tp == 2 and "async TP" in lay.label
+    assert not parse_layout("native-tp2", 8).async_tp
+    with pytest.raises(ValueError, match="unknown part 'async' for a fx layout"):
+        parse_layout("fx-tp2-async", 8)
+    import types
+
+    import torch._inductor.config as inductor_config
+    before = inductor_config._micro_pipeline_tp
+    try:
+        enable_async_tp(types.SimpleNamespace(device_type="cpu"))
+        assert inductor_config._micro_pipeline_tp is True
+    finally:
+        inductor_config._micro_pipeline_tp = before
+
+
 def _spec(model, **over):
     import types
 

@@ -106,6 +106,21 @@ def _local_heads_forward(self, x):
     return self.resid_drop(self.proj(y))
 
 
+def enable_async_tp(mesh) -> None:
+    """torchtitan's async tensor parallelism: symmetric memory for the tp group and inductor's
+    micro-pipeline pass, which turns each all-gather + matmul and matmul + reduce-scatter of the
+    compiled layers into torch's fused symmetric-memory ops. Both settings are process-wide, as
+    they are for a torchtitan user: layouts compiled after this one see the inductor flag too."""
+    import torch._inductor.config as inductor_config
+    inductor_config._micro_pipeline_tp = True
+    if mesh.device_type == "cuda":
+        import warnings
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        with warnings.catch_warnings():     # deprecated (a no-op) in later torch; needed in 2.11
+            warnings.simplefilter("ignore", FutureWarning)
+            enable_symm_mem_for_group(mesh.get_group().group_name)
+
+
 def build_native(lay, spec, dev, dtype, batch, meshes, **_):
     if spec.kind == "hf":
         from e2e.hf_builders import build_hf_native
@@ -145,6 +160,8 @@ def build_native(lay, spec, dev, dtype, batch, meshes, **_):
         input_fn=lambda mod, inputs, m: tuple(DTensor.from_local(t, m, [Replicate()], run_check=False)
                                               for t in inputs),
         output_fn=lambda mod, out, m: out.redistribute(m, [Shard(0)]).to_local())
+    if lay.async_tp:
+        enable_async_tp(mesh)
     for i in range(len(model.blocks)):
         model.blocks[i] = torch.compile(model.blocks[i])
     return torch_job(list(model.parameters()), accumulate(model, spec, batch, lay.m, context=loss_parallel),

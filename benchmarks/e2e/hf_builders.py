@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from e2e.builders import accumulate, torch_job
+from e2e.builders import accumulate, enable_async_tp, torch_job
 
 
 def llama_plans():
@@ -65,6 +65,8 @@ def build_hf_native(lay, spec, dev, dtype, batch, meshes):
         # both plans shard the (vocab, hidden) weight by rows (Shard(0)), each into its own
         # DTensor parameter: tie them again, so that one weight gets both gradients
         model.lm_head.weight = model.model.embed_tokens.weight
+    if lay.async_tp:
+        enable_async_tp(mesh)
     for i in range(len(model.model.layers)):
         model.model.layers[i] = torch.compile(model.model.layers[i])
     return torch_job(list(model.parameters()), accumulate(model, spec, batch, lay.m, context=loss_parallel),

@@ -25,6 +25,7 @@ class Layout:
     fp32_accum: bool = False    # parallelize(grad_accum_dtype=torch.float32)
     overlap: int = 0
     transport: str = "auto"
+    async_tp: bool = False      # native -async: torch's async TP (symmetric memory + inductor's micro-pipeline)
     fp8: str = ""               # fx -fp8 / -fp8row: parallelize(precision="fp8", fp8_recipe=tensorwise / rowwise);
                                 # compile -ao / -aorow: torchao float8 training, the same recipes
 
@@ -41,7 +42,8 @@ class Layout:
             return f"the plain model, torchao float8 {self.fp8} + torch.compile{mode}"
         if self.kind != "fx":
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
-                    "native": f"PyTorch-native DTensor TP, tp {self.tp}"}[self.kind]
+                    "native": f"PyTorch-native DTensor TP, tp {self.tp}"
+                              + (", async TP" if self.async_tp else "")}[self.kind]
         what = "fxmegatron" + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
         if self.compile:
             return what + " + compile" + (f" ({self.compile})" if isinstance(self.compile, str) else "")
@@ -88,6 +90,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.fp8 = {"ao": "tensorwise", "aorow": "rowwise"}[tok]
         elif head == "fx" and tok == "acc32":
             lay.fp32_accum = True
+        elif head == "native" and tok == "async":
+            lay.async_tp = True
         elif head == "fx" and tok in ("nccl", "ce"):
             lay.transport = {"nccl": "nccl", "ce": "copy_engine"}[tok]
         elif head == "fx" and tok in ("rsel", "rfull"):
