@@ -22,6 +22,11 @@ class BatchError(FxMegatronError):
     ranks that must see the same batch got different ones."""
 
 
+class BatchStructureError(BatchError, TypeError):
+    """A batch whose keys or elements are not the example batch's (a TypeError too, as it
+    always was)."""
+
+
 class VerificationError(FxMegatronError):
     """The parallel program does not compute what the original model computes: names the
     first divergent node, its module path and the rule that placed it."""

@@ -9,12 +9,14 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fxmegatron.errors import MeshError
 
 KNOWN_DIMS = ("dp", "pp", "cp", "tp")
 SUPPORTED_DIMS = ("dp", "pp", "cp", "tp")
 ALL_AXES = ("dp", "tp", "pp", "cp", "dp_cp")
+MESH_ATTRS = ("mesh_dim_names", "shape", "size", "device_type")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,12 @@ def mesh_axes(mesh) -> Dict[str, Axis]:
     checking it ("dp_cp": the ranks that hold the same parameters and sum their gradients)."""
     if mesh is None:
         return {n: Axis() for n in ALL_AXES}
+    # the tests' stand-ins (and any object with DeviceMesh's interface) pass; a device name,
+    # a shape or a process group is refused here rather than as an AttributeError below
+    if not isinstance(mesh, DeviceMesh) and not all(hasattr(mesh, a) for a in MESH_ATTRS):
+        raise MeshError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh (or None: one process), got "
+                        f"{type(mesh).__name__} {mesh!r}: build one with init_device_mesh('cpu' or 'cuda', "
+                        "(2, 2), mesh_dim_names=('pp', 'tp')) after init_process_group")
     names = tuple(mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in KNOWN_DIMS]
     if not names or unknown:

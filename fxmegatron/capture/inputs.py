@@ -86,3 +86,32 @@ def check_batch(flat: Sequence, example: Sequence, names: Sequence[str], what: s
                 "static: give batches of the example's batch size and sequence length (pad the last "
                 "partial batch, masking its labels with -100), or parallelize again with an example "
                 "of the new shape")
+
+
+def _input_name(path) -> str:
+    """A leaf's place in (args, kwargs) in the batch's own terms: key 'labels' of a dict batch,
+    element 1 of a tuple batch (batch_args made the dict kwargs and the tuple args)."""
+    if len(path) < 2:
+        return pytree.keystr(path) or "the batch"
+    head, rest = path[1], pytree.keystr(path[2:])
+    if isinstance(head, pytree.MappingKey):
+        return f"key {head.key!r}{rest}"
+    return f"element {getattr(head, 'idx', head)}{rest}"
+
+
+def structure_difference(args: tuple, kwargs: dict, example_spec) -> str:
+    """Why the batch (args, kwargs) does not have the example batch's pytree structure, naming
+    the inputs it lacks and those the example has not; the two structures when only the
+    containers differ (a list for a tuple)."""
+    given = {pytree.keystr(p): p for p, _ in pytree.tree_flatten_with_path((args, kwargs))[0]}
+    dummy = pytree.tree_unflatten(list(range(example_spec.num_leaves)), example_spec)
+    wanted = {pytree.keystr(p): p for p, _ in pytree.tree_flatten_with_path(dummy)[0]}
+    missing = [_input_name(p) for k, p in wanted.items() if k not in given]
+    extra = [_input_name(p) for k, p in given.items() if k not in wanted]
+    parts = ([f"is missing {', '.join(missing)}"] if missing else []) + \
+            ([f"has {', '.join(extra)}, which the example batch has not"] if extra else [])
+    if not parts:
+        return (f"the batch's structure {pytree.tree_flatten((args, kwargs))[1]} differs from the example "
+                f"batch's {example_spec}")
+    return (f"the batch {' and '.join(parts)} (the example batch given to parallelize has "
+            f"{', '.join(_input_name(p) for p in wanted.values())}): give every batch the example's inputs")

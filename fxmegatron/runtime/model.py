@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxmegatron.capture import batch_args
-from fxmegatron.capture.inputs import check_batch
+from fxmegatron.capture.inputs import check_batch, structure_difference
+from fxmegatron.errors import BatchStructureError
 from fxmegatron.io.dump import dump_program
 from fxmegatron.placement import Placement, R
 from fxmegatron.program import RankProgram
@@ -105,7 +106,7 @@ class ParallelModel(nn.Module):
             args, kwargs = batch_args(args[0])
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.program.in_spec:
-            raise TypeError(f"batch structure {spec} differs from the example batch's {self.program.in_spec}")
+            raise BatchStructureError(f"batch structure: {structure_difference(args, kwargs, self.program.in_spec)}")
         if self.batch_checks > 0:
             self.batch_checks -= 1
             check_same_batch(flat, list(self.program.input_names), self.program.axes)
