@@ -5,6 +5,7 @@ model's weights and its loss; an untied Llama and the bundled GPT in one process
 files; the errors."""
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -12,10 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from fxmegatron.errors import ExportError
+from fxmegatron.io.checkpoint import read_full_state
 from fxmegatron.train.export import export_checkpoint, main
 from fxmegatron.train.models import load_model
 from tests.distributed import run_distributed
 from tests.families import FAMILIES
+from tests.trainer_runs import tiny_tokenizer, train, write_config
 from tests.workers.export import GPT_OPTIONS, load_step_save
 
 TIED = {"tie_word_embeddings": True}
@@ -65,19 +68,45 @@ def test_pp2_tp2_tied_export_is_the_parallel_model(tied_pp2_tp2):
     assert all(r["same_local"] for r in results), "read_shard gave other local parameters than the model in memory"
     assert any(r["split"] for r in results)
     assert "model.embed_tokens.weight" in results[0]["params"] and "lm_head.weight" not in results[0]["params"]
-    os.makedirs(os.path.join(ckpt, "tokenizer"))
-    with open(os.path.join(ckpt, "tokenizer", "tokenizer.json"), "w") as f:
-        f.write('{"version": "1.0"}')
+    tiny_tokenizer(os.path.join(ckpt, "tokenizer"), vocab=100)
     dest, back = _check_hf_export(root, ckpt, results[0], TIED)
     assert back.lm_head.weight is back.model.embed_tokens.weight
     assert "lm_head.weight" not in load_file(os.path.join(dest, "model.safetensors"))   # as transformers writes it
-    assert open(os.path.join(dest, "tokenizer.json")).read() == '{"version": "1.0"}'
+    from transformers import AutoTokenizer
+    assert len(AutoTokenizer.from_pretrained(dest)) == 100
 
 
 def test_untied_export_is_the_model(untied_one_process):
     root, ckpt, r0 = untied_one_process
     assert r0["same_local"]
     _check_hf_export(root, ckpt, r0, {})
+
+
+def test_tokenizer_folder_holding_the_original_model(untied_one_process, tmp_path):
+    """A checkpoint written before the trainer kept only tokenizer files: its ``tokenizer/`` is the
+    whole model folder of the fine-tune recipe, untrained weights and config.json included. The
+    export takes the tokenizer from it and nothing else."""
+    root, ckpt, r0 = untied_one_process
+    old = shutil.copytree(ckpt, str(tmp_path / "old"))
+    shutil.copytree(str(root / "src"), os.path.join(old, "tokenizer"))      # the original weights
+    tiny_tokenizer(os.path.join(old, "tokenizer"), vocab=100)
+    dest = export_checkpoint(old, str(tmp_path / "out"))
+    got = load_file(os.path.join(dest, "model.safetensors"))
+    assert sorted(got) == sorted(r0["full"]) and all(torch.equal(got[k], v) for k, v in r0["full"].items())
+
+
+def test_export_checks_what_it_wrote(tmp_path, monkeypatch):
+    """A folder whose weights are not the checkpoint's is an error, never a quiet success."""
+    from fxmegatron.train import export
+    ckpt = str(tmp_path / "ckpt")
+    load_step_save(0, 1, None, "gpt", None, GPT_OPTIONS, ckpt)
+    write = export._write_plain
+
+    def write_other(state, out_dir, config):
+        write({k: v + (k == "ln_f.weight") * 1e-3 for k, v in state.items()}, out_dir, config)
+    monkeypatch.setattr(export, "_write_plain", write_other)
+    with pytest.raises(ExportError, match=r"ln_f.weight as written differs from the checkpoint's"):
+        export_checkpoint(ckpt, str(tmp_path / "gpt"))
 
 
 def test_gpt_export_loads_back(tmp_path):
@@ -116,3 +145,37 @@ def test_errors(untied_one_process, tmp_path):
         export_checkpoint(wrong, str(tmp_path / "out"))
     with pytest.raises(ExportError, match="the checkpoint itself"):
         export_checkpoint(ckpt, ckpt)
+
+
+@pytest.mark.slow
+def test_finetune_recipe_exports_the_trained_model(tmp_path):
+    """docs/TRAINER.md's fine-tune recipe: ``data.tokenizer`` is the model's own folder (weights and
+    config.json beside the tokenizer). The checkpoint keeps the tokenizer's files only, and the
+    export is the trained model, not the folder's original weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model_dir = tmp_path / "llama"
+    original = FAMILIES["llama"].build(n_layer=1)        # vocabulary 128
+    original.save_pretrained(model_dir)
+    tiny_tokenizer(model_dir, vocab=100)
+    rng = random.Random(0)
+    (tmp_path / "a.txt").write_text(" ".join(f"w{rng.randrange(98)}" for _ in range(2000)))
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "ft.toml", {
+        "run": {"out": str(out), "steps": 2},
+        "model": {"kind": "hf", "path": str(model_dir)},
+        "data": {"tokenizer": str(model_dir), "train": [str(tmp_path / "a.txt")], "seq_len": 16, "global_batch": 4},
+        "optim": {"lr": 1e-2},
+        "eval": {"batches": 1},
+        "log": {"plot": False, "tensorboard": False},
+    })
+    r = train(cfg, 1)
+    assert r.returncode == 0, r.stdout
+    ckpt = out / "checkpoints" / "step-00000002"
+    assert sorted(os.listdir(ckpt / "tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]
+    dest = tmp_path / "exported"
+    assert main([str(ckpt), str(dest)]) == 0
+    trained, got = read_full_state(str(ckpt)), AutoModelForCausalLM.from_pretrained(dest).state_dict()
+    assert all(torch.equal(got[k], v) for k, v in trained.items())
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(got[name], original.state_dict()[name])
+    assert len(AutoTokenizer.from_pretrained(dest)) == 100

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,8 +64,11 @@ def _rng_modules(pm) -> List[DropoutRng]:
     return [m for m in pm.modules() if isinstance(m, DropoutRng)]
 
 
-def save(pm, optimizer, directory: str, extra: Optional[dict] = None) -> None:
-    """Save ``pm``'s parameters and ``optimizer``'s state (collective: every rank calls it)."""
+def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
+         write_files: Optional[Callable[[str], None]] = None) -> None:
+    """Save ``pm``'s parameters and ``optimizer``'s state (collective: every rank calls it).
+    ``write_files(folder)``, on rank 0, adds files of its own (a tokenizer) before the index, so
+    that a complete checkpoint always has them."""
     tmp = directory.rstrip("/") + ".tmp"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -94,6 +97,8 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None) -> None:
                   metadata={"fxmegatron": json.dumps(meta)})
     _barrier()
     if _rank() == 0:
+        if write_files is not None:
+            write_files(tmp)
         rng = _rng_modules(pm)
         groups = []
         for g in (optimizer.param_groups if optimizer is not None else ()):

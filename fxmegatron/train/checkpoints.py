@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fxmegatron.io import checkpoint
+from fxmegatron.train.tokens import save_tokenizer
 
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -47,17 +48,17 @@ def resume_from(root: str, resume: str) -> Optional[str]:
 
 
 def save(pm, opt, root: str, step: int, keep: int, extra: dict, files: Optional[dict] = None) -> str:
-    """Save after ``step`` steps (collective); rank 0 then copies ``files`` ({name in the folder:
-    source path}, e.g. the tokenizer an export needs) and removes all but the last ``keep``."""
+    """Save after ``step`` steps (collective); ``files`` ({name in the folder: a tokenizer directory})
+    get the tokenizer an export needs, and nothing else of that directory (``save_tokenizer``: a
+    model folder's weights must not ride along); rank 0 then removes all but the last ``keep``."""
     path = step_dir(root, step)
-    checkpoint.save(pm, opt, path, extra={**extra, "step": step})
-    if not dist.is_initialized() or dist.get_rank() == 0:
+
+    def write_files(folder: str) -> None:
         for name, src in (files or {}).items():
-            dst = os.path.join(path, name)
-            if os.path.isdir(src):
-                shutil.copytree(src, dst, dirs_exist_ok=True)
-            elif os.path.isfile(src):
-                shutil.copy2(src, dst)
+            save_tokenizer(src, os.path.join(folder, name))
+
+    checkpoint.save(pm, opt, path, extra={**extra, "step": step}, write_files=write_files)
+    if not dist.is_initialized() or dist.get_rank() == 0:
         for old in complete(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return path

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from typing import Dict, Mapping
 
@@ -29,9 +28,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from fxmegatron.errors import CheckpointError, ExportError, FxMegatronError
+from fxmegatron.errors import CheckpointError, ConfigError, DataError, ExportError, FxMegatronError
 from fxmegatron.io.checkpoint import read_extra, read_full_state
-from fxmegatron.train.models import build_hf, load_model, tied_sources
+from fxmegatron.train.models import SafetensorsState, build_hf, load_model, tied_sources
+from fxmegatron.train.tokens import save_tokenizer
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -50,20 +50,23 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str) -> str:
     except CheckpointError as exc:
         raise ExportError(f"cannot export {checkpoint_dir}: {exc}") from exc
     kind = described["kind"]
-    os.makedirs(out_dir, exist_ok=True)
     where = os.path.join(checkpoint_dir, "index.json")
+    if kind not in ("hf", "gpt", "factory"):
+        raise ExportError(f"{where}: model kind {kind!r} in extra['model'], expected hf, gpt or factory")
+    os.makedirs(out_dir, exist_ok=True)
+    # The tokenizer first: whatever it writes, the model's own files come after it.
+    _copy_tokenizer(checkpoint_dir, out_dir)
+    dtype = _dtype(described, where)
+    model = None
     if kind == "hf":
         _export_hf(described, state, out_dir, where)
     elif kind == "gpt":
-        model = load_model("gpt", None, described.get("gpt_config", {}), _dtype(described, where)).model
-        _check_names(model, state, where)
+        _check_names(load_model("gpt", None, described.get("gpt_config", {}), dtype).model, state, where)
         _write_plain(state, out_dir, {"fxmegatron_model": "gpt", "gpt_config": described["gpt_config"],
                                       "dtype": described.get("dtype")})
-    elif kind == "factory":
-        _export_factory(described, state, out_dir, where)
     else:
-        raise ExportError(f"{where}: model kind {kind!r} in extra['model'], expected hf, gpt or factory")
-    _copy_tokenizer(checkpoint_dir, out_dir)
+        model = _export_factory(described, state, out_dir, where)
+    _verify(out_dir, kind, model, state, dtype)
     return out_dir
 
 
@@ -122,7 +125,7 @@ def _export_hf(described: Mapping, state, out_dir: str, where: str) -> None:
     model.save_pretrained(out_dir)
 
 
-def _export_factory(described: Mapping, state, out_dir: str, where: str) -> None:
+def _export_factory(described: Mapping, state, out_dir: str, where: str) -> nn.Module:
     source = load_model("factory", described.get("factory"), described.get("options") or {},
                         _dtype(described, where))
     model = source.model
@@ -133,6 +136,7 @@ def _export_factory(described: Mapping, state, out_dir: str, where: str) -> None
         _check_names(model, state, where)
         _write_plain(state, out_dir, {"fxmegatron_model": "factory", "factory": described.get("factory"),
                                       "options": described.get("options") or {}, "dtype": described.get("dtype")})
+    return model
 
 
 def _write_plain(state: Mapping[str, torch.Tensor], out_dir: str, config: dict) -> None:
@@ -143,15 +147,38 @@ def _write_plain(state: Mapping[str, torch.Tensor], out_dir: str, config: dict) 
 
 
 def _copy_tokenizer(checkpoint_dir: str, out_dir: str) -> None:
+    """The tokenizer's files only: checkpoints written before the trainer kept only those hold a
+    whole model folder in ``tokenizer/`` (the fine-tune recipe's), whose weights are the untrained
+    ones."""
     src = os.path.join(checkpoint_dir, TOKENIZER_DIR)
     if not os.path.isdir(src):
         return
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if os.path.isdir(path):
-            shutil.copytree(path, os.path.join(out_dir, name), dirs_exist_ok=True)
-        else:
-            shutil.copy2(path, os.path.join(out_dir, name))
+    try:
+        save_tokenizer(src, out_dir)
+    except DataError as exc:
+        raise ExportError(f"cannot export the tokenizer of {checkpoint_dir}: {exc}") from exc
+
+
+def _verify(out_dir: str, kind: str, model, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Read back what ``out_dir`` holds, through the model its own config.json builds (a factory's:
+    ``model``, as the factory built it), and compare every tensor with the checkpoint's: an export
+    that is not the trained model must fail here, not in its user's evaluation."""
+    try:
+        if kind == "hf":
+            from transformers import AutoConfig
+            model = build_hf(AutoConfig.from_pretrained(out_dir, local_files_only=True), dtype)
+        elif kind == "gpt":
+            model = load_model("gpt", out_dir, {}, dtype).model
+        back = SafetensorsState.from_folder(out_dir, model, dtype)
+        expected = _check_names(model, state, out_dir)
+    except (ConfigError, ExportError, OSError, ValueError) as exc:
+        raise ExportError(f"{out_dir}: the written folder does not read back as the checkpoint's model: {exc}") from exc
+    for name, want in expected.items():
+        got = back[name]
+        if not torch.equal(got, want.to(dtype)):
+            raise ExportError(f"{out_dir}: {name} as written differs from the checkpoint's (max difference "
+                              f"{(got.float() - want.float()).abs().max().item():.3g}); this folder is not "
+                              "the trained model")
 
 
 def main(argv=None) -> int:

@@ -140,6 +140,23 @@ def _load_tokenizer(tokenizer: str):
         raise DataError(f"{tokenizer}: cannot load a Hugging Face tokenizer from it: {e}") from e
 
 
+def save_tokenizer(src: str, dst: str) -> list[str]:
+    """The tokenizer of directory ``src`` written to ``dst`` by its own ``save_pretrained``;
+    returns the file names written. Copying the folder would be wrong: a tokenizer often lives
+    in the model's folder (the fine-tune recipe), and its weights and config.json must never
+    travel with it, where they could replace a trained model's."""
+    tok = _load_tokenizer(src)
+    try:
+        written = tok.save_pretrained(dst)
+    except OSError as e:
+        raise DataError(f"{dst}: cannot write the tokenizer of {src} there: {e}") from e
+    # save_pretrained may convert (a slow tokenizer's files to tokenizer.json): what was
+    # written must read back as the same vocabulary.
+    if _load_tokenizer(dst).get_vocab() != tok.get_vocab():
+        raise DataError(f"{dst}: the tokenizer written from {src} does not read back with the same vocabulary")
+    return sorted(os.path.basename(p) for p in written)
+
+
 def tokenizer_vocab_size(tokenizer: str) -> int:
     """256 for ``"bytes"``; ``len(tokenizer)`` (added tokens included) for a directory."""
     if tokenizer == "bytes":
