@@ -13,8 +13,10 @@ buffer and no random op (so it is one constant for the traced shapes); evaluated
 the CPU, it is exactly "query i sees key j iff j <= i" for every batch row and head (a bool
 mask, or a float mask of 0 and -inf), with as many queries as keys. Then
 ``attn_mask=..., is_causal=False`` becomes ``attn_mask=None, is_causal=True``: the same
-function, proven on the values. A mask larger than ``MAX_MASK_ELEMENTS`` (past 128k tokens)
-is not evaluated and stays.
+function, proven on the values. The proof holds each query's keys as an interval
+(``mask_intervals``: no query × key tensor, so its cost does not grow with the sequence
+squared); a mask built otherwise is evaluated whole, up to ``MAX_MASK_ELEMENTS`` (past 128k
+tokens it is not evaluated and stays).
 
 ``grouped_kv`` — precondition: keys and values are each ``reshape(expand(unsqueeze(x, 2),
 [B, Hkv, r, S, D]), [B, Hkv·r, S, D])`` of a [B, Hkv, S, D] tensor with the same r, the
@@ -27,6 +29,8 @@ from typing import List, Optional, Set
 
 import torch
 import torch.fx as fx
+
+from fxmegatron.passes.mask_intervals import proven_causal
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -62,10 +66,10 @@ def _ancestors(node: fx.Node) -> List[fx.Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def _constant_value(mask: fx.Node) -> Optional[torch.Tensor]:
-    """The mask's value when it is a constant of the traced shapes (module docstring), else None."""
-    val = mask.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.numel() > MAX_MASK_ELEMENTS:
+def _constant_ancestors(mask: fx.Node) -> Optional[List[fx.Node]]:
+    """The nodes the mask is computed from, in graph order, when it is a constant of the traced
+    shapes (module docstring: no input, parameter, buffer or random op), else None."""
+    if not isinstance(mask.meta.get("val"), torch.Tensor):
         return None
     nodes = _ancestors(mask)
     for n in nodes:
@@ -73,6 +77,27 @@ def _constant_value(mask: fx.Node) -> Optional[torch.Tensor]:
             return None
         if torch.Tag.nondeterministic_seeded in n.target.tags:
             return None
+    return nodes
+
+
+def _is_causal_mask(mask: fx.Node, q_len: int, k_len: int) -> bool:
+    """The precondition, then the proof: by key intervals (``mask_intervals``: no Q·K tensor,
+    any length), else by evaluating the mask where it has at most ``MAX_MASK_ELEMENTS``."""
+    nodes = _constant_ancestors(mask)
+    if nodes is None:
+        return False
+    proven = proven_causal(mask, nodes, q_len, k_len)
+    if proven is not None:
+        return proven
+    value = _constant_value(mask, nodes)
+    return value is not None and is_causal_value(value, q_len, k_len)
+
+
+def _constant_value(mask: fx.Node, nodes: List[fx.Node]) -> Optional[torch.Tensor]:
+    """The mask's value, evaluated on the CPU from its constant ancestors ``nodes``; None past
+    ``MAX_MASK_ELEMENTS``."""
+    if mask.meta["val"].numel() > MAX_MASK_ELEMENTS:
+        return None
     env = {}
     for n in nodes:          # on the CPU, whatever device the graph was traced for
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
@@ -117,8 +142,7 @@ def causal_mask(gm: fx.GraphModule) -> int:
             continue
         key = (mask, q.shape[-2], k.shape[-2])
         if key not in verdicts:
-            value = _constant_value(mask)
-            verdicts[key] = value is not None and is_causal_value(value, q.shape[-2], k.shape[-2])
+            verdicts[key] = _is_causal_mask(mask, q.shape[-2], k.shape[-2])
         if not verdicts[key]:
             continue
         _set(n, attn_mask=None, is_causal=True)
