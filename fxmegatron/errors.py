@@ -27,6 +27,11 @@ class BatchStructureError(BatchError, TypeError):
     always was)."""
 
 
+class ReplicaError(FxMegatronError, ValueError):
+    """Ranks that must hold the same weights (data-parallel replicas, tp ranks of a replicated
+    parameter, pipeline ranks of a tied one) hold different ones: names the parameter and the ranks."""
+
+
 class VerificationError(FxMegatronError):
     """The parallel program does not compute what the original model computes: names the
     first divergent node, its module path and the rule that placed it."""

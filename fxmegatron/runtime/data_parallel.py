@@ -15,11 +15,14 @@ same idea as DDP's reducer, kept to what this runtime needs.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import hashlib
+from typing import Callable, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from fxmegatron.errors import ReplicaError
 
 
 class GradSync:
@@ -106,3 +109,57 @@ class GradSync:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def weight_digest(t: torch.Tensor) -> str:
+    """The exact bits of ``t`` (NaNs and signed zeros included), hashed on the host, with its
+    shape and dtype; "" for a meta tensor."""
+    if t.device.type == "meta":
+        return ""
+    raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    return f"{tuple(t.shape)} {t.dtype} " + hashlib.blake2b(raw.numpy(), digest_size=16).hexdigest()
+
+
+def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping, replicated: Callable[[str], bool],
+                       shared: Collection[str]) -> None:
+    """Raise ``ReplicaError`` on every rank, naming the first parameter and the ranks, when ranks
+    that must hold the same values of a parameter do not: the data-parallel replicas (with the cp
+    ranks of each), the tp ranks of a parameter replicated over tp (``replicated(name)``) and
+    the pipeline ranks holding their own copy of a tied weight (``shared``). Collective over
+    dp, cp, tp and pp and the default group; a digest per parameter is all that moves.
+
+    Why refuse rather than broadcast dp rank 0's weights as DDP does: each tp shard and each
+    pipeline stage is cut from its own rank's copy of the model, so ranks that built the model
+    differently (another seed, weights loaded on rank 0 alone) would still train a mixture
+    across tp and pp after a broadcast over dp; a refusal names the cause in every layout,
+    leaves the caller's weights as they are, and costs a hash of each local shard rather than
+    a copy of every weight."""
+    named = list(named)
+    checks = [(axes.get("dp_cp", axes["dp"]), "data-parallel replicas", lambda n: True),
+              (axes["tp"], "tp ranks (it is replicated over tp)", replicated),
+              (axes["pp"], "pipeline ranks holding a copy of this tied weight", lambda n: n in shared)]
+    checks = [c for c in checks if c[0].size > 1]
+    if not checks:      # no mesh dim to compare over; and not every process may be here
+        return
+    digests: Dict[str, str] = {}
+    problem = None
+    for ax, who, wanted in checks:
+        for n, p in named:
+            if wanted(n) and n not in digests:
+                digests[n] = weight_digest(p)
+        mine = {n: digests[n] for n, _ in named if wanted(n)}
+        every: List[Optional[Dict[str, str]]] = [None] * ax.size
+        dist.all_gather_object(every, mine, group=ax.group)
+        for n in mine:
+            held = [(r, d[n]) for r, d in zip(ax.ranks, every) if n in d]
+            odd = [r for r, d in held if d != held[0][1]]
+            if odd and problem is None:
+                same = [r for r, d in held if d == held[0][1]]
+                problem = (f"parameter {n!r} differs between the {who}: global rank(s) {same} hold one value and "
+                           f"{odd} another: they would train different models and no loss would show it. Build the model the same way on every rank (torch.manual_seed(S) before "
+                           "constructing it, or the same weights loaded on every rank), or pass state_dict=")
+    found: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)      # every rank raises, none is left waiting in a collective
+    first = next((f for f in found if f is not None), None)
+    if first is not None:
+        raise ReplicaError(first)

@@ -17,7 +17,7 @@ from fxmegatron.io.dump import dump_program
 from fxmegatron.placement import Placement, R
 from fxmegatron.program import RankProgram
 from fxmegatron.runtime.batch_check import check_same_batch
-from fxmegatron.runtime.data_parallel import GradSync
+from fxmegatron.runtime.data_parallel import GradSync, check_same_weights
 from fxmegatron.runtime.gather import gather_stages, gather_tp, sum_shared_grads
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
@@ -78,6 +78,9 @@ class ParallelModel(nn.Module):
         sync = ax.get("dp_cp", ax["dp"])        # dp, or dp × cp under context parallelism
         if sync.size > 1:
             self._grad_sync = GradSync(list(self.parameters()), uses, sync.group, sync.size, divisor=self.dp_size)
+        if dist.is_initialized():
+            check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
+                               pipe.stage.shared if pipe is not None else ())
 
     # parameters keep the original model's names
     def named_parameters(self, prefix: str = "", recurse: bool = True,
