@@ -19,14 +19,16 @@ a fused QKV weight (``Shard(dim, blocks)``). The on-disk layout here is what
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fxmegatron.errors import CheckpointError
@@ -34,7 +36,16 @@ from fxmegatron.placement import join_shards, placement_from_json, placement_to_
 from fxmegatron.ops.dropout import DropoutRng
 
 FORMAT = "fxmegatron-checkpoint/1"
+# A shard's digest between its write and the index; none is left in a complete checkpoint.
+DIGEST_SUFFIX = ".digest.json"
 
+
+
+def _digest(path: str) -> dict:
+    """sha256 and size of a file, flushed to disk first: the index that lists it comes after."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        return {"sha256": hashlib.file_digest(f, "sha256").hexdigest(), "bytes": os.fstat(f.fileno()).st_size}
 
 
 def _barrier():
@@ -93,12 +104,22 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
                     meta[key] = dict(meta["model/" + name])
                 else:
                     meta[key] = {"placement": "R", "tp_rank": 0, "tp": 1, "shape": list(v.shape)}
-        save_file(tensors, f"{tmp}/shard-pp{pm.pp_rank}-tp{pm.tp_rank}.safetensors",
-                  metadata={"fxmegatron": json.dumps(meta)})
+        shard = f"{tmp}/shard-pp{pm.pp_rank}-tp{pm.tp_rank}.safetensors"
+        save_file(tensors, shard, metadata={"fxmegatron": json.dumps(meta)})
+        # Each writer hashes its own shard (no rank reads the whole checkpoint) and leaves the
+        # digest beside it for rank 0's index: files, as the shards are, so no new collective.
+        with open(shard + DIGEST_SUFFIX, "w") as f:
+            json.dump(_digest(shard), f)
     _barrier()
     if _rank() == 0:
         if write_files is not None:
             write_files(tmp)
+        files = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
+        digests = {}
+        for fname in files:
+            with open(os.path.join(tmp, fname + DIGEST_SUFFIX)) as f:
+                digests[fname] = json.load(f)
+            os.remove(os.path.join(tmp, fname + DIGEST_SUFFIX))
         rng = _rng_modules(pm)
         groups = []
         for g in (optimizer.param_groups if optimizer is not None else ()):
@@ -106,7 +127,8 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
         index = {"format": FORMAT,
                  "layout": {"dp": pm.dp_size, "pp": pm.pp_size, "tp": pm.tp_size,
                             **({"cp": pm.cp_size} if getattr(pm, "cp_size", 1) > 1 else {})},
-                 "files": sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors")),
+                 "files": files,
+                 "digests": digests,
                  "param_groups": groups,
                  "rng_step": rng[0].step if rng else None,
                  "extra": extra or {}}
@@ -125,65 +147,134 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
 
 
 class _Reader:
-    """Every saved piece of every tensor, read lazily from the safetensors files."""
+    """Every saved piece of every tensor, read lazily from the safetensors files. A file's digest
+    (``index["digests"]``) is checked the first time a tensor is read from it, so a rank hashes
+    only the shards it loads from; checkpoints written before digests load unchecked, with a
+    warning."""
 
     def __init__(self, directory: str):
+        self.directory = directory
         path = os.path.join(directory, "index.json")
         if not os.path.exists(path):
             raise CheckpointError(f"{directory} has no index.json: not a checkpoint, or a save that did not "
                                   "finish (an unfinished save leaves only DIR.tmp)")
-        with open(path) as f:
-            self.index = json.load(f)
-        if self.index.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: format {self.index.get('format')!r}, expected {FORMAT!r}")
+        try:
+            with open(path) as f:
+                self.index = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
+            got = self.index.get("format") if isinstance(self.index, dict) else self.index
+            raise CheckpointError(f"{path}: format {got!r}, expected {FORMAT!r}")
+        self.digests = self.index.get("digests")
+        self._verified = set()
         self.pieces: Dict[str, Dict[int, tuple]] = {}
         for fname in self.index["files"]:
             fpath = os.path.join(directory, fname)
             if not os.path.exists(fpath):
                 raise CheckpointError(f"{directory}: {fname} is listed in index.json but missing")
-            with safe_open(fpath, "pt") as f:
-                meta = json.loads(f.metadata()["fxmegatron"])
+            want = (self.digests or {}).get(fname)
+            if want is not None and os.path.getsize(fpath) != want["bytes"]:
+                raise CheckpointError(f"{fpath}: {os.path.getsize(fpath)} bytes, index.json says {want['bytes']}: "
+                                      "a truncated or replaced shard")
+            try:
+                with safe_open(fpath, "pt") as f:
+                    meta = json.loads(f.metadata()["fxmegatron"])
+            except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+                self.verify(fpath)     # a corrupted file is named as such before its symptom
+                raise CheckpointError(f"{fpath}: not a readable checkpoint shard ({type(exc).__name__}: "
+                                      f"{exc})") from exc
             for key, m in meta.items():
                 self.pieces.setdefault(key, {})[m["tp_rank"]] = (fpath, m)
 
-    def has(self, key: str) -> bool:
-        return key in self.pieces
+    def verify(self, fpath: str) -> None:
+        """CheckpointError when ``fpath``'s sha256 is not the one its index recorded."""
+        if fpath in self._verified:
+            return
+        if self.digests is None:
+            if not self._verified and _rank() == 0:
+                warnings.warn(f"{os.path.join(self.directory, 'index.json')} has no shard digests (written "
+                              "before fxmegatron recorded them): its shards load unverified", stacklevel=4)
+            self._verified.add(fpath)
+            return
+        want = self.digests.get(os.path.basename(fpath))
+        if want is None:
+            raise CheckpointError(f"{fpath}: index.json records no digest for it, as it does for the other shards")
+        with open(fpath, "rb") as f:
+            got = hashlib.file_digest(f, "sha256").hexdigest()
+        if got != want["sha256"]:
+            raise CheckpointError(f"{fpath}: sha256 {got[:16]}..., index.json recorded {want['sha256'][:16]}...: "
+                                  "the shard changed after it was saved (a corrupted disk or copy); restore it or "
+                                  "resume from another checkpoint")
+        self._verified.add(fpath)
+
+    def verify_all(self) -> None:
+        for fname in self.index["files"]:
+            self.verify(os.path.join(self.directory, fname))
+
+    def shape(self, key: str) -> list:
+        return next(iter(self.pieces[key].values()))[1]["shape"]
 
     def full(self, key: str) -> torch.Tensor:
         pieces = self.pieces[key]
         m0 = next(iter(pieces.values()))[1]
         tp = m0["tp"]
         if sorted(pieces) != list(range(tp)):
-            raise CheckpointError(f"{key}: pieces {sorted(pieces)} of tp={tp} in the checkpoint")
+            raise CheckpointError(f"{self.directory}: {key}: pieces {sorted(pieces)} of tp={tp} in the checkpoint")
         parts = []
         for r in range(tp):
             fpath, _ = pieces[r]
-            with safe_open(fpath, "pt") as f:
-                parts.append(f.get_tensor(key))
+            self.verify(fpath)
+            try:
+                with safe_open(fpath, "pt") as f:
+                    parts.append(f.get_tensor(key))
+            except SafetensorError as exc:
+                raise CheckpointError(f"{fpath}: cannot read {key} ({exc})") from exc
         full = join_shards(parts, placement_from_json(m0["placement"]))
         if list(full.shape) != m0["shape"]:
-            raise CheckpointError(f"{key}: reassembled shape {list(full.shape)} != saved {m0['shape']}")
+            raise CheckpointError(f"{self.directory}: {key}: reassembled shape {list(full.shape)} != saved "
+                                  f"{m0['shape']}")
         return full
 
     def local(self, key: str, pm, name: str) -> torch.Tensor:
         full = self.full(key)
         want = pm.program.global_params[name][0]
         if tuple(full.shape) != tuple(want):
-            raise CheckpointError(f"{key}: the checkpoint's shape {tuple(full.shape)} differs from the model's "
-                                  f"{tuple(want)}")
+            raise CheckpointError(f"{self.directory}: {key}: the checkpoint's shape {tuple(full.shape)} differs "
+                                  f"from the model's {tuple(want)}")
         return take_shard(full, pm.placement(name), pm.tp_rank, pm.tp_size)
+
+    def check_model(self, pm) -> None:
+        """CheckpointError, before anything is loaded, when the checkpoint's parameters are not the
+        model's: one it lacks (of those this rank holds), one the model does not have, a shape."""
+        saved = {k[len("model/"):] for k in self.pieces if k.startswith("model/")}
+        model = pm.program.global_params
+        missing = [n for n, _ in pm.named_parameters() if n not in saved]
+        extra = sorted(saved - set(model))
+        shapes = [(n, self.shape("model/" + n), list(model[n][0])) for n in model
+                  if n in saved and self.shape("model/" + n) != list(model[n][0])]
+        if not (missing or extra or shapes):
+            return
+        self.verify_all()      # a corrupted shard is named as such, not as another model
+        what = []
+        if missing:
+            what.append(f"no parameter {missing[0]!r} ({len(missing)} missing)")
+        if extra:
+            what.append(f"parameter {extra[0]!r} that the model does not have ({len(extra)} such)")
+        if shapes:
+            n, was, now = shapes[0]
+            what.append(f"{n!r} of shape {was}, the model's is {now} ({len(shapes)} such)")
+        raise CheckpointError(f"{self.directory}: a checkpoint of another model: " + "; ".join(what))
 
 
 def load(pm, optimizer, directory: str) -> dict:
     """Load a checkpoint saved at any (dp, pp, tp) into ``pm`` (and ``optimizer``);
     returns the ``extra`` dict given to ``save``."""
     rd = _Reader(directory)
+    rd.check_model(pm)
     with torch.no_grad():
         for name, p in pm.named_parameters():
-            key = "model/" + name
-            if not rd.has(key):
-                raise CheckpointError(f"{directory}: no parameter {name!r} in the checkpoint")
-            p.copy_(rd.local(key, pm, name))
+            p.copy_(rd.local("model/" + name, pm, name))
     if optimizer is not None:
         names = _names(pm, optimizer)
         state = {}
