@@ -100,3 +100,24 @@ def test_under_torchrun_one_line(tmp_path):
     assert errors == [f"fxmegatron train: error: {cfg}: layout dp 1 x pp 1 x cp 1 x tp 4 = 4, but 2 processes "
                       "were started (torchrun --nproc_per_node): they must be equal"], r.stdout
     assert not os.path.exists(tmp_path / "out" / "loss.csv")
+
+
+def test_truncated_model_weights(tmp_path, monkeypatch, capsys):
+    from tests.families import FAMILIES
+    model_dir = tmp_path / "llama"
+    FAMILIES["llama"].build(n_layer=1).save_pretrained(model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    cfg = write_config(tmp_path / "c.toml", {**base(tmp_path), "model": {"kind": "hf", "path": str(model_dir)}})
+    code, err = run_main(monkeypatch, capsys, cfg)
+    assert code == 2
+    one_line(err, f"{weights}: not a readable safetensors file")
+
+
+def test_data_shorter_than_one_batch(tmp_path, monkeypatch, capsys):
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    cfg = write_config(tmp_path / "c.toml", base(tmp_path, data={"kind": "tokens", "train": str(tmp_path / "t.bin"),
+                                                                 "global_batch": 8}))
+    code, err = run_main(monkeypatch, capsys, cfg)
+    assert code == 2
+    one_line(err, f"{tmp_path / 't.bin'}", "fewer than global_batch = 8")

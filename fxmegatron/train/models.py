@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from fxmegatron.errors import ConfigError
 from fxmegatron.models.gpt import GPT, GPTConfig
@@ -288,9 +288,12 @@ def _tensors_in_folder(folder: str) -> Dict[str, tuple]:
         fpath = os.path.join(folder, fname)
         if not os.path.isfile(fpath):
             raise ConfigError(f"{folder}: {fname} is listed in {INDEX_FILE} but missing")
-        with safe_open(fpath, "pt") as f:
-            for key in f.keys():
-                out[key] = (fpath, key)
+        try:
+            with safe_open(fpath, "pt") as f:
+                for key in f.keys():
+                    out[key] = (fpath, key)
+        except (SafetensorError, OSError) as exc:      # safetensors' own message names no file
+            raise ConfigError(f"{fpath}: not a readable safetensors file (truncated or corrupted?): {exc}") from exc
     return out
 
 
