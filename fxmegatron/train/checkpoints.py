@@ -18,6 +18,7 @@ from fxmegatron.io import checkpoint
 from fxmegatron.train.tokens import save_tokenizer
 
 _NAME = re.compile(r"^step-(\d{8})$")
+_ANY = re.compile(r"^step-(\d{8})(\.tmp|\.old)?$")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -36,13 +37,44 @@ def complete(root: str) -> List[str]:
     return [p for _, p in sorted(found)]
 
 
+def skipped(root: str) -> List[str]:
+    """Why each step folder under ``root`` that ``complete`` does not list is not taken, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _ANY.match(name)
+        path = os.path.join(root, name)
+        if not m or not os.path.isdir(path):
+            continue
+        has_index = os.path.exists(os.path.join(path, "index.json"))
+        if not m.group(2) and has_index:
+            continue            # complete: taken
+        if m.group(2) == ".tmp" and not has_index:
+            why = "a save cut off before its index.json"
+        elif m.group(2) == ".old":
+            why = "the copy a later save of that step replaces"
+        elif has_index:
+            why = f"complete but never renamed; rename it to step-{m.group(1)} to resume from it"
+        else:
+            why = "no index.json"
+        out.append((int(m.group(1)), name, f"{path} ({why})"))
+    return [text for _, _, text in sorted(out)]
+
+
 def resume_from(root: str, resume: str) -> Optional[str]:
     """The folder to resume from: ``resume`` "none" -> None, "auto" -> the latest complete one
-    under ``root`` (None when there is none), else ``resume`` itself."""
+    under ``root`` (None when there is none), else ``resume`` itself. With "auto", rank 0 says
+    which step folders it passed over and why: a run that starts afresh beside an unfinished
+    save must not look like a resume that found nothing."""
     if resume == "none":
         return None
     if resume == "auto":
         found = complete(root)
+        passed = skipped(root)
+        if passed and (not dist.is_initialized() or dist.get_rank() == 0):
+            then = f"resuming from {found[-1]}" if found else "no complete checkpoint: starting from step 0"
+            print(f"fxmegatron train: checkpoint.resume = \"auto\" skipped {'; '.join(passed)}; {then}", flush=True)
         return found[-1] if found else None
     return resume
 
