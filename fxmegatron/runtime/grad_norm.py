@@ -21,24 +21,34 @@ def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], slot: Mapping[st
     """fp32, on the device, no host sync; collective over tp and pp. ``slot``: every parameter
     name of the whole model -> its place in the model's order; ``counts(name)``: whether this
     rank's square of ``name`` is counted: once per tp shard (a weight replicated over tp counts
-    on tp rank 0 only) and on one pipeline rank (a tied weight's first holder)."""
+    on tp rank 0 only) and on one pipeline rank (a tied weight's first holder). A gradient that
+    is not counted but is not finite makes the norm NaN."""
     idx: List[int] = []
     grads: List[torch.Tensor] = []
+    uncounted: List[torch.Tensor] = []
     for name, p in named_params:
-        if p.grad is not None and counts(name):
-            idx.append(slot[name])
-            grads.append(p.grad.detach())
-    sq = torch.zeros(len(slot), dtype=torch.float32, device=device)
+        if p.grad is not None:
+            if counts(name):
+                idx.append(slot[name])
+                grads.append(p.grad.detach())
+            else:
+                uncounted.append(p.grad.detach())
+    # the last entry: 0, or NaN when a gradient this rank does not count is not finite (a NaN in
+    # one tp rank's copy of a replicated weight would otherwise reach no norm, and that rank
+    # alone would step its copy to NaN); added after the sum, + 0.0 changes no bit
+    sq = torch.zeros(len(slot) + 1, dtype=torch.float32, device=device)
     if grads:
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
         where = torch.tensor(idx, dtype=torch.int64)
         if sq.is_cuda:    # a pageable copy would wait for the backward still queued: pinned, async
             where = where.pin_memory().to(sq.device, non_blocking=True)
         sq[where] = torch.stack(norms).square()
+    if uncounted:
+        sq[-1] = (torch.stack(torch._foreach_norm(uncounted, 2.0, dtype=torch.float32)) * 0.0).sum()
     for dim in ("tp", "pp"):
         if axes[dim].size > 1:
             dist.all_reduce(sq, group=axes[dim].group)
-    return sq.sum().sqrt()
+    return (sq[:-1].sum() + sq[-1]).sqrt()
 
 
 def scale_grads_(params: Iterable[nn.Parameter], coef: torch.Tensor) -> None:

@@ -4,13 +4,16 @@ evaluation and checkpoints on their cadence, logging on rank 0. Each step's batc
 only on the step, so a run resumed at any layout sees what an uninterrupted one would."""
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 import fxmegatron
+from fxmegatron.errors import TrainingError
 from fxmegatron.optim import FusedAdamW, clip_coefficient
 from fxmegatron.runtime.distributed import Env, make_mesh
 from fxmegatron.runtime.grad_norm import scale_grads_
@@ -59,6 +62,21 @@ def _say(lead: bool, progress: Optional[Progress], text: str) -> None:
 def _evaluate(pm, prep: Prepared, device) -> float:
     losses = [pm.eval_step(prep.batch(w, device)).item() for w in prep.valid]
     return sum(losses) / len(losses)
+
+
+def _nonfinite_rank(loss: float, norm: float, device) -> Optional[int]:
+    """The lowest rank whose loss or gradient norm is not finite (None: none), the same on every
+    rank. A NaN in one rank's copy of a weight replicated over tp (whose square only tp rank 0
+    adds to the norm), or on one dp replica, reaches no other rank's norm: ranks deciding alone
+    would update apart, or stop a step apart."""
+    if not dist.is_initialized():
+        return None if math.isfinite(loss) and math.isfinite(norm) else 0
+    world = dist.get_world_size()
+    first = torch.tensor([dist.get_rank() if not (math.isfinite(loss) and math.isfinite(norm)) else world],
+                         dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    r = int(first.item())
+    return None if r == world else r
 
 
 def train(prep: Prepared, env: Env, t_start: float) -> int:
@@ -133,7 +151,8 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
             loss_t = pm.train_step(prep.batch(prep.train.windows(step), device))
             norm_t = pm.grad_norm()
             loss, norm = loss_t.item(), norm_t.item()
-            if check_finite(step, loss, norm, cfg.run.on_nonfinite):
+            bad = _nonfinite_rank(loss, norm, device)
+            if bad is None:
                 coef = clip_coefficient(norm_t, o.grad_clip) if o.grad_clip > 0 else None
                 if isinstance(opt, FusedAdamW):
                     opt.step(coef)
@@ -141,8 +160,13 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
                     if coef is not None:
                         scale_grads_(pm.parameters(), coef)
                     opt.step()
+            elif cfg.run.on_nonfinite == "stop":
+                check_finite(step, loss, norm, "stop")      # on the rank that holds them: names the values
+                raise TrainingError(f"step {step}: rank {bad}'s loss or gradient norm is not finite (non-finite "
+                                    f"policy 'stop')")
             else:
-                _say(lead, progress, f"step {step}: loss {loss}, gradient norm {norm}: update skipped")
+                _say(lead, progress, f"step {step}: loss {loss}, gradient norm {norm} (rank {bad}: not finite): "
+                                     f"update skipped")
             opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
