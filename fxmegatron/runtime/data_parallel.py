@@ -156,8 +156,9 @@ def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping,
             if odd and problem is None:
                 same = [r for r, d in held if d == held[0][1]]
                 problem = (f"parameter {n!r} differs between the {who}: global rank(s) {same} hold one value and "
-                           f"{odd} another: they would train different models and no loss would show it. Build the model the same way on every rank (torch.manual_seed(S) before "
-                           "constructing it, or the same weights loaded on every rank), or pass state_dict=")
+                           f"{odd} another: they would train different models and no loss would show it. Build "
+                           "the model the same way on every rank (torch.manual_seed(S) before constructing it, or "
+                           "the same weights loaded on every rank), or pass state_dict=")
     found: List[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(found, problem)      # every rank raises, none is left waiting in a collective
     first = next((f for f in found if f is not None), None)
