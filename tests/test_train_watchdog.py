@@ -120,7 +120,7 @@ def jobs():
         "healthy": _torchrun("--fault", "none", "--slow-first", "6"),     # step 0 longer than timeout_s
         "raise": _torchrun("--fault", "raise", "--fault-rank", "2"),
         "stall": _torchrun("--fault", "stall", "--fault-rank", "3"),
-        "kill": _plain("--fault", "kill", "--fault-rank", "1"),
+        "kill": _plain("--fault", "kill", "--fault-rank", "1", "--other-hosts"),
         "kill_host": _plain("--fault", "kill", "--fault-rank", "0"),
         "one_rank_sleep": _one_rank("sleep"),
         "one_rank_frozen": _one_rank("frozen"),

@@ -3,15 +3,20 @@
     torchrun --standalone --nproc_per_node 4 -m fxmegatron.train examples/configs/gpt_tiny.toml
     fxmegatron train examples/configs/gpt_tiny.toml --dry-run     # the plan, without training
     fxmegatron train CONFIG.toml --set run.steps=50 --set layout.tp=2
+    fxmegatron train CONFIG.toml --nproc-per-node 4               # torchrun's launch, in this process
 
 The config's keys are listed in docs/TRAINER.md (and ``fxmegatron.train.config.KEYS``). Without
-torchrun the run is one process. Exit status: 0 when the run finished (or stopped at SIGTERM with
-a checkpoint), 2 for a bad config or data (one line on stderr, before any process group work), 1
-for a failure during training (the watchdog's line names the rank and the step).
+torchrun (or ``--nproc-per-node``) the run is one process. Exit status of each process: 0 when the
+run finished (or stopped at SIGTERM with a checkpoint); 2 for bad input: a config, data or device
+that does not fit (one line on stderr from each host's first process, before any process group
+work), or a model, layout or checkpoint that does not (one line from the watchdog, naming the
+rank); 1 for a failure during training (the watchdog's line names the rank and the step). torchrun
+ends with 1 whatever its workers' statuses; ``--nproc-per-node`` ends with theirs (2 or 1).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -21,36 +26,59 @@ import torch.distributed as dist  # noqa: E402
 
 from fxmegatron.errors import ConfigError, DataError  # noqa: E402
 from fxmegatron.runtime.distributed import init_from_env, read_env  # noqa: E402
+from fxmegatron.train.status import BAD_INPUT  # noqa: E402
 
 ONE_PROCESS_PORT = 29531
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="fxmegatron train", description="train a model from one TOML config")
+    ap = argparse.ArgumentParser(prog="fxmegatron train", description="train a model from one TOML config",
+                                 allow_abbrev=False)
     ap.add_argument("config", help="the TOML config file (keys: docs/TRAINER.md)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan (parameters and memory per rank, the schedule) and exit without training")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key (repeatable); the value is read as TOML")
+    ap.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                    help="start N processes on this host (torchrun --standalone, in this process) and end with "
+                         "the job's status: 2 for bad input, 1 for a failure (torchrun: always 1)")
     return ap.parse_args(argv)
 
 
+def _launch(args, argv) -> int:
+    if args.dry_run or "RANK" in os.environ or args.nproc_per_node < 1:
+        print("fxmegatron train: error: --nproc-per-node N starts N processes itself: give N >= 1, without "
+              "--dry-run and not under torchrun", file=sys.stderr, flush=True)
+        return BAD_INPUT
+    from fxmegatron.train.launcher import launch
+    rest, skip = [], False
+    for a in argv:           # the workers get the same arguments but this one
+        if skip or a.startswith("--nproc-per-node"):
+            skip = not skip and a == "--nproc-per-node"
+            continue
+        rest.append(a)
+    return launch(args.nproc_per_node, rest)
+
+
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.nproc_per_node is not None:
+        return _launch(args, argv)
     from fxmegatron.train.config import load as load_config
-    from fxmegatron.train.setup import prepare
+    from fxmegatron.train.setup import check_devices, prepare
     env = read_env(one_process_port=ONE_PROCESS_PORT) if not args.dry_run else None
-    lead = env is None or env.lead
     try:
         cfg = load_config(args.config, args.set)
+        if env is not None:
+            check_devices(cfg, env.local_world)
         prep = prepare(cfg, None if args.dry_run else env.world)
     except (ConfigError, DataError) as e:
-        # Only rank 0 reports and fails: the others end quietly, so one line says what is wrong
-        # (torchrun ends them anyway as soon as rank 0 fails).
-        if lead:
+        # every process ends with 2 (so does each host's torchrun agent's view of its workers), and one
+        # per host says why: the same line from every rank would only repeat it
+        if env is None or env.local_rank == 0:
             print(f"fxmegatron train: error: {e}", file=sys.stderr, flush=True)
-            return 2
-        return 0
+        return BAD_INPUT
     if args.dry_run:
         from fxmegatron.train.dry_run import print_plan
         print_plan(prep)

@@ -91,6 +91,22 @@ def _gpt_options(cfg: Config, vocab: int) -> Dict[str, Any]:
     return opts
 
 
+def check_devices(cfg: Config, local_world: int) -> None:
+    """A GPU for each of the ``local_world`` processes on this host when ``run.device`` asks for
+    cuda, or when it is "auto" and there are GPUs, but fewer than processes (auto would then
+    train on the CPU, unasked); raises ConfigError naming the counts."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = cfg.run.device
+    if device == "cpu" or have >= local_world or (device == "auto" and have == 0):
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    fix = f"start at most {have} per host (torchrun --nproc-per-node) or " if have else ""
+    raise ConfigError(f"{cfg.source}: run.device = {device!r} asks for a GPU per process: {local_world} process(es) "
+                      f"on this host, but torch sees {have} GPU(s) here{shown}: {fix}set run.device = \"cpu\" "
+                      "to train on the CPU")
+
+
 def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     """The config checked against ``world`` processes (None: not checked, for --dry-run), the data
     opened and the model built on meta; raises ConfigError / DataError naming what is wrong."""
@@ -107,10 +123,11 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     options = _gpt_options(cfg, vocab_data) if m.kind == "gpt" else {}
     source = load_model(m.kind, m.path or None, options, dtype, m.weights)
     if vocab_data > source.vocab_size:
+        big = valid if cfg.data.valid and valid.vocab_needed > train.vocab_needed else train   # the file to name
         what = (f"the tokenizer {cfg.data.tokenizer} has {vocab_data} tokens" if cfg.data.kind == "text"
-                else f"{cfg.data.train[0]} holds token ids up to {vocab_data - 1}")
+                else f"{(cfg.data.valid if big is valid else cfg.data.train)[0]} holds token ids up to {vocab_data - 1}")
         raise DataError(f"{cfg.source}: {what}, but the model's vocabulary has {source.vocab_size}: the data does "
-                        f"not belong to this model")
+                        f"not belong to this model{big.dtype_hint}")
     if source.max_positions is not None and cfg.data.seq_len > source.max_positions:
         raise ConfigError(f"{cfg.source}: data.seq_len {cfg.data.seq_len} is longer than the model's "
                           f"{source.max_positions} positions")

@@ -13,6 +13,8 @@ Each rank runs a daemon thread that, every ``poll_s``, bumps its heartbeat in a 
 store (torchrun's agent store, or one hosted by rank 0) and ends the process when
 
 * some rank published a failure (a raise, a stall, a dead peer): it prints that failure;
+* a peer on this machine has ended (``fxmegatron.train.liveness``: the process table, as
+  torchrun's agent knows it; seen at the next poll) without leaving the loop cleanly;
 * a watched peer's heartbeat has not moved for ``peer_timeout_s`` (SIGKILLed, crashed, or its
   Python frozen holding the GIL); each rank watches its next two live ranks, so every death is
   seen by a survivor without every rank reading every heartbeat;
@@ -28,14 +30,14 @@ release it) starves that thread, so ``faulthandler.dump_traceback_later`` is arm
 at each step: it needs no GIL and kills a frozen rank,
 printing every thread's stack (several lines, faulthandler's format) after the allowance plus
 a margin. Processes end with ``os._exit`` after flushing, so no atexit hook or NCCL teardown
-can hang them.
+can hang them: status 2 for a rank's own bad-input error (``status.exit_status``), else 1.
 """
 from __future__ import annotations
 
 import datetime
 import faulthandler
-import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -46,7 +48,9 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from fxmegatron.errors import ConfigError, PipelineError, TrainingError
+from fxmegatron.errors import ConfigError, PipelineError
+from fxmegatron.train.liveness import LocalPeers
+from fxmegatron.train.status import FAILED, check_finite, exit_status  # noqa: F401  (check_finite: re-exported)
 
 _DONE = 1 << 50        # a heartbeat counter at or above this: the rank left the loop cleanly
 _WATCHED = 2           # live successors each rank watches (a dead run of ranks is still seen
@@ -65,7 +69,8 @@ def _log(line: str) -> None:
 
 
 def _where(step) -> str:
-    return f"at step {step}" if step is not None else "before its first step"
+    # the trainer runs parallelize as step -1
+    return f"at step {step}" if step is not None and step >= 0 else "before its first step"
 
 
 def _one_line(text: str, limit: int = 1500) -> str:
@@ -125,7 +130,7 @@ class Watchdog:
 
     def __init__(self, rank: Optional[int] = None, world: Optional[int] = None, timeout_s: float = 300.0,
                  store=None, poll_s: float = 1.0, *, first_step_timeout_s: Optional[float] = None,
-                 peer_timeout_s: Optional[float] = None, host: Optional[str] = None):
+                 peer_timeout_s: Optional[float] = None, host: Optional[str] = None, process_table: bool = True):
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
         self.world = world if world is not None else (dist.get_world_size() if ready else 1)
@@ -149,6 +154,8 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._loop_ident: Optional[int] = None
         self._device: Optional[int] = None       # the loop thread's GPU, once CUDA is up
+        # process_table=False: peers judged by their heartbeats alone, as if each ran on a host of its own
+        self._local = LocalPeers(self.rank, self.world) if process_table else None
 
     # ---- what the trainer calls ------------------------------------------------------------
     def __enter__(self) -> "Watchdog":
@@ -157,6 +164,8 @@ class Watchdog:
         self._loop_ident = threading.get_ident()
         if self.world > 1:
             self._store = self._connect(_instances)
+            if self._local:
+                self._local.publish(self._op, self._store)
             self._op(self._store.add, f"hb/{self.rank}", 1)
         self._state = (None, time.monotonic(), self.first_step_timeout_s)
         self._arm(self.first_step_timeout_s)
@@ -192,12 +201,15 @@ class Watchdog:
         k = self._state[0] if k is None else k
         msg = f"rank {self.rank} failed {_where(k)}: {type(exc).__name__}: {_one_line(exc)}"
         if self._store is not None and _secondary(exc) and self._thread is not None:
+            if threading.current_thread() is threading.main_thread():
+                # torchrun's SIGTERM after a worker died must not end this rank before it is named
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             wait = self.peer_timeout_s + 3 * self.poll_s
             self._arm(wait)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:     # the monitor ends the process if it finds one
                 time.sleep(self.poll_s / 4)
-        self._end(msg, exc=exc)
+        self._end(msg, exc=exc, code=exit_status(exc))
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is not None:
@@ -277,10 +289,11 @@ class Watchdog:
                                           exit=True)
 
     def _end(self, msg: Optional[str], exc: Optional[BaseException] = None, lost=None,
-             mine: bool = True, dead: int = 0) -> NoReturn:
+             mine: bool = True, dead: int = 0, code: int = FAILED) -> NoReturn:
         """Publish ``msg``, a failure of this rank (``mine``) or one it saw, unless another came
         first; print the first one, led by this rank's own name; end the process.
-        ``dead``: how many ranks are known dead (they will not acknowledge it)."""
+        ``dead``: how many ranks are known dead (they will not acknowledge it). ``code``: the
+        exit status; 2 (bad input) prints no traceback, and only on the rank that published it."""
         _EXIT_LOCK.acquire()          # never released: the other thread waits for os._exit
         faulthandler.cancel_dump_traceback_later()
         where = _where(self._state[0])
@@ -296,12 +309,15 @@ class Watchdog:
                 except Exception:
                     pass
             mine = mine and winner == msg
-            if mine and exc is not None:
+            if mine and exc is not None and code == FAILED:
                 traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
             line = winner if mine else f"rank {self.rank} stopping {where}: {winner}"
             self._linger("acks", self.world - dead)
-        _log(f"fxmegatron: {line}")
-        os._exit(1)
+            if not mine and code != FAILED:     # every rank met the same bad input: the winner says it
+                line = None
+        if line:
+            _log(f"fxmegatron: {line}")
+        os._exit(code)
 
     # ---- the monitor thread ------------------------------------------------------------------
     def _monitor(self) -> None:
@@ -333,6 +349,9 @@ class Watchdog:
         self._op(s.add, f"hb/{r}", 1)
         if self._op(s.check, ["failed"]):
             self._end(self._op(s.get, "failed").decode(errors="replace"), mine=False)
+        if self._local and (gone := self._local.gone(self._op, s, _DONE)):
+            self._end(f"rank {gone[0]} died {self._peer_step(gone[0])}: its process {gone[1]} is gone (killed or "
+                      f"crashed; noticed by rank {r} on its machine)", mine=False, dead=1)
         now, watched, silent = time.monotonic(), 0, []     # silent: (seconds, peer, its limit)
         for i in range(1, self.world):
             p = (r + i) % self.world
@@ -375,25 +394,3 @@ class Watchdog:
         where = f"in step {step}" if step is not None else "before its first step"
         self._end(f"rank {self.rank} stalled {where} for {stalled:.0f} s (allowed {allow:g} s)"
                   f"{', waiting ' + waiting if waiting else ''}; loop thread at {_stack_line(frame)}")
-
-
-def check_finite(step: int, loss, grad_norm=None, policy: str = "stop") -> bool:
-    """True when ``loss`` and ``grad_norm`` (tensors or numbers; None is not checked) are
-    finite. Otherwise ``policy`` "stop" raises TrainingError naming the step and the value,
-    and "skip" returns False: the trainer drops this step's update."""
-    if policy not in ("stop", "skip"):
-        raise ConfigError(f"non-finite policy must be 'stop' or 'skip', got {policy!r}")
-    named = [(n, v) for n, v in (("loss", loss), ("grad norm", grad_norm)) if v is not None]
-    tensors = [v for _, v in named if isinstance(v, torch.Tensor)]
-    if tensors and len({t.device for t in tensors}) == 1:
-        # one device sync for both values instead of one each
-        got = iter(torch.stack([t.detach().reshape(()).float() for t in tensors]).tolist())
-        nums = [next(got) if isinstance(v, torch.Tensor) else float(v) for _, v in named]
-    else:
-        nums = [float(v) for _, v in named]
-    bad = [f"{n} is {x}" for (n, _), x in zip(named, nums) if not math.isfinite(x)]
-    if not bad:
-        return True
-    if policy == "skip":
-        return False
-    raise TrainingError(f"step {step}: {' and '.join(bad)} (non-finite policy 'stop')")

@@ -30,13 +30,15 @@ def main():
     ap.add_argument("--first-timeout", type=float, default=20.0)
     ap.add_argument("--peer-timeout", type=float, default=None)
     ap.add_argument("--poll", type=float, default=0.5)
+    ap.add_argument("--other-hosts", action="store_true",
+                    help="judge peers by heartbeats alone, as if each rank ran on a host of its own")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     with Watchdog(rank, world, timeout_s=args.timeout, poll_s=args.poll, first_step_timeout_s=args.first_timeout,
-                  peer_timeout_s=args.peer_timeout) as wd:
+                  peer_timeout_s=args.peer_timeout, process_table=not args.other_hosts) as wd:
         for k in range(args.steps):
             wd.step(k)
             if k == 0:
