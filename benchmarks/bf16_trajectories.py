@@ -8,7 +8,7 @@ What it is for: telling a bf16 rounding difference from an error. Every row trai
 batch (random tokens, the first 16 labels of each row masked) with ``FusedAdamW`` (lr 1e-4)
 from the weights of one seeded ``GPT2LMHeadModel``; a row prints every 4th loss, the last, and
 its largest distance from the fp32 row. A rewrite that computed something else would move its
-row away from the others (docs/PERFORMANCE.md, the GPT-2 section: all within 0.003).
+row away from the others (docs/history/PERFORMANCE-2026-11-26.md, the GPT-2 section: all within 0.003).
 """
 import argparse
 import copy

@@ -10,7 +10,7 @@ heuristic's first algorithm through ``kernels/cublaslt.py``, the best of the can
 offers (at most 8 were offered on an H100) and that one's index. Times are
 ``triton.testing.do_bench``'s median, the L2 flushed between runs. What the table was for:
 whether choosing algorithms by timing (as ``kernels/cublaslt.py`` does for the GeLU epilogue)
-would pay for plain GEMMs too. Alone it would (docs/PERFORMANCE.md); inside a step it did not.
+would pay for plain GEMMs too. Alone it would (docs/history/PERFORMANCE-2026-11-26.md); inside a step it did not.
 """
 import argparse
 

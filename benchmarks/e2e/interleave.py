@@ -3,7 +3,7 @@ every layout runs one timed step, every other pass in reverse order (A B, B A, A
 
 Rounds (``--rounds``) run a layout's steps back to back and the layouts one after the other,
 seconds to minutes apart; the GPU runs at its power limit and its clock drifts by a few percent
-over such spans, as much as the differences measured (docs/PERFORMANCE.md). Interleaved, the
+over such spans, as much as the differences measured (docs/history/PERFORMANCE-2026-11-26.md). Interleaved, the
 steps compared are under a second apart, so a drift reaches every layout alike, and each pass
 pairs one step of every layout with one of the first layout's: a row's ``paired`` is the median
 over the passes of (the first layout's step time / this layout's), with the middle half of those

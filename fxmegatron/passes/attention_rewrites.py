@@ -5,7 +5,7 @@ materialised from ``arange`` comparisons (tracing makes HF keep the mask it woul
 eager mode), and keys and values with their kv heads repeated to the query heads
 (``repeat_kv``). SDPA then takes a general masked kernel and reads copied kv heads; on an
 H100 at Llama-3.2-1B's shapes that is about twice the attention time of the causal kernel
-with grouped heads (docs/PERFORMANCE.md). Both rewrites hold whatever the tensor-parallel
+with grouped heads (docs/history/PERFORMANCE-2026-11-26.md). Both rewrites hold whatever the tensor-parallel
 split, so they run on the rank's graph.
 
 ``causal_mask`` — precondition: the mask is computed from no graph input, no parameter or

@@ -253,7 +253,7 @@ def _rewrite(gm: fx.GraphModule, group: List[fx.Node], index: int) -> None:
 # for 512 MB, 2.7 TB/s).
 LONE_GROUPS = {counter_dropout, aten.gelu.default}
 
-# Where a generated kernel beat inductor's on the same chain (docs/PERFORMANCE.md, "Generated
+# Where a generated kernel beat inductor's on the same chain (docs/PERFORMANCE.md, fused-kernels-h200: "Generated
 # elementwise kernels vs eager and torch.compile", one H200, 2026-11-21, fwd+bwd): beside
 # inductor only groups holding one of these ops are kept; inductor fuses the rest with its
 # neighbours (a norm's reduction, a matmul's epilogue), which a group boundary would stop.

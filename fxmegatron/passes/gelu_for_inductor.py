@@ -3,7 +3,7 @@
 The two are the same function: ½(1 + tanh z) = σ(2z). Inductor lowers ``aten.gelu`` (tanh)
 and its backward through libdevice's ``tanh``, whose instructions, not memory, bound the
 kernel: 0.193 ms for gpt1.3b's [16384, 8192] bf16 activation on an H200 and on an H100
-alike, 2.7 TB/s of the H200's 4.8 (profile in docs/PERFORMANCE.md). The sigmoid form is an
+alike, 2.7 TB/s of the H200's 4.8 (profile in docs/history/PERFORMANCE-2026-11-26.md). The sigmoid form is an
 ``exp`` and a division, and its derivative (σ·(1 − σ)) shares the σ. fxmegatron's generated
 GeLU kernel prints tanh the same way (``codegen/triton_printer.py``).
 
