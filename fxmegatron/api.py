@@ -45,7 +45,11 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     Pipeline: the graph is cut into pp·``virtual_stages`` chunks at transformer blocks
     (balanced by cost, or ``blocks_per_chunk``), chunk c on pp rank c % pp, run by
     ``schedule`` ("gpipe", "1f1b", "interleaved"; default 1f1b, or interleaved when
-    virtual_stages > 1) over ``microbatches`` per ``train_step``.
+    virtual_stages > 1) over ``microbatches`` per ``train_step``. A step that splits the batch
+    (microbatches > 1 or a "dp" dim) weights each piece's mean cross-entropy by the labels it
+    counts, which is exact; a loss that is not that cross-entropy alone (up to views, casts and
+    constant scaling), such as one with an MoE router's load-balancing loss added, is refused
+    with a ``LossError`` naming the node (``passes.loss_terms``).
     ``fuse``: each run of elementwise ops becomes one generated Triton kernel (forward, and a
     backward that recomputes the run); without CUDA the runs execute as the original ops.
     With ``compile`` too, each run is one opaque call in the compiled graph that launches

@@ -17,12 +17,13 @@ import torch.utils._pytree as pytree
 
 from fxmegatron.capture import Captured, capture
 from fxmegatron.config import ParallelConfig
-from fxmegatron.errors import ScheduleError, ShardingError
+from fxmegatron.errors import LossError, ScheduleError, ShardingError
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import apply_context_parallel
 from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
+from fxmegatron.passes.loss_terms import check_split_loss, split_by
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from fxmegatron.passes.fp8 import apply_fp8
 from fxmegatron.passes.fp8_gather import gather_in_fp8
@@ -39,6 +40,7 @@ from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, pla
 from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
 from fxmegatron.program import PipelineProgram, RankProgram
+from fxmegatron.runtime.id_check import id_checker
 from fxmegatron.runtime.materialize import materialize_graph
 from fxmegatron.runtime.stages import boundary_specs, build_stage, split_batch, token_counter
 from fxmegatron.runtime.torch_compile import compile_graph
@@ -160,6 +162,9 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
     its own copy). ``fxmegatron.verify`` builds every simulated rank through this."""
     tp, pp, dp = axes["tp"], axes["pp"], axes["dp"]
     sched = cfg.make_schedule(pp.size)
+    split = cfg.microbatches > 1 or dp.size > 1
+    check_split_loss(cap.gm, cfg.microbatches, dp.size)     # before the passes rewrite the loss
+    check_ids = id_checker(cap.gm, cap.input_names, device)  # the whole vocabulary: before tp splits it
     timings = dict(timings or {})
     runner = PassRunner(rank_passes(cap, axes, cfg, device), debug=debug)
     local = runner(cap.gm)
@@ -184,7 +189,12 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
                 compile_graph(m, mode)
         pipe = PipelineProgram(sched, tuple(chunks), stage, specs)
     timings["materialize_s"] = time.perf_counter() - t0
-    count = token_counter(local, device) if cfg.microbatches > 1 or dp.size > 1 else None
+    count = token_counter(local, device) if split else None
+    if split and count is None:
+        raise LossError(f"parallelize({split_by(cfg.microbatches, dp.size)}) weights each piece of the batch by the "
+                        "labels its cross-entropy counts, but the loss's target is not computed from the batch alone "
+                        "(it reads weights, buffers or submodules), so the counts are not known before the pieces "
+                        "run: train this model without splitting the batch (microbatches=1 and no dp)")
     return RankProgram(
         axes=dict(axes), device=device, in_spec=cap.in_spec, input_names=tuple(cap.input_names),
         example_inputs=placeholders, param_order=tuple(cap.params),
@@ -192,7 +202,7 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
         aliases=dict(cap.aliases), placements=dict(plan.param_plc), sequence_parallel=plan.sequence_parallel,
         recompute=cfg.recompute_name, seed=cfg.seed, microbatches=cfg.microbatches, graph_module=gm,
         pipeline=pipe, replicated=dict(plan.replicated_params), planning_attempts=plan.attempts,
-        count_tokens=count, coverage=local.meta[COVERAGE], notes=tuple(cap.notes), timings=timings)
+        count_tokens=count, check_ids=check_ids, coverage=local.meta[COVERAGE], notes=tuple(cap.notes), timings=timings)
 
 
 def groups(axes: Mapping[str, Axis]) -> dict:

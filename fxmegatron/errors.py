@@ -27,6 +27,12 @@ class BatchStructureError(BatchError, TypeError):
     always was)."""
 
 
+class LossError(FxMegatronError, ValueError):
+    """A loss that a step split into microbatches or data-parallel shares would not compute as
+    the unmodified model does on the whole batch: names the node where the loss stops being a
+    mean cross-entropy, its module path and why."""
+
+
 class ReplicaError(FxMegatronError, ValueError):
     """Ranks that must hold the same weights (data-parallel replicas, tp ranks of a replicated
     parameter, pipeline ranks of a tied one) hold different ones: names the parameter and the ranks."""

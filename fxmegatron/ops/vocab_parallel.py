@@ -66,7 +66,11 @@ def _reduce(loss: Tensor, valid: Tensor, reduction: int, out_dtype) -> Tensor:
         return loss.to(out_dtype)
     if reduction == 2:
         return loss.sum().to(out_dtype)
-    return (loss.sum() / valid.sum().to(loss.dtype)).to(out_dtype)
+    count = valid.sum().to(loss.dtype)
+    # no counted label (a microbatch whose answers were all cut away): the mean is 0/0, NaN as
+    # ATen's, but its gradient must be 0 for the step that weights this microbatch 0, not the
+    # division's 0/0 (which the fused kernel's backward would carry into every row)
+    return torch.where(count > 0, loss.sum() / count.clamp_min(1), torch.nan).to(out_dtype)
 
 
 VOCAB_PARALLEL_COLLECTIVES = {

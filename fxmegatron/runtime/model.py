@@ -23,7 +23,7 @@ from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
 from fxmegatron.runtime.logits import LogitsForward
 from fxmegatron.runtime.stages import loss_weights, split_batch
-from fxmegatron.schedules.runtime import StageRunner
+from fxmegatron.schedules.runtime import StageRunner, add_weighted
 
 
 class ParallelModel(nn.Module):
@@ -53,6 +53,8 @@ class ParallelModel(nn.Module):
         self.graph_module = program.graph_module
         # the first steps check that every tp and pp rank got the same batch (see check_same_batch)
         self.batch_checks = 3
+        # ... and that their ids and labels lie inside the vocabulary (see runtime.id_check)
+        self.id_checks = 3
         self.coverage = program.coverage         # how much tp splits
         self.notes: List[str] = list(program.notes)    # what capture changed
         self.timings = dict(program.timings)
@@ -127,13 +129,16 @@ class ParallelModel(nn.Module):
                                "rank's share and averages gradients over dp (eval_step(batch): the loss alone)")
         flat = self._flat(args, kwargs)
         self._check_micro(flat, "batch")
+        self._check_ids([flat])
         return self.graph_module(*flat)[0]
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one batch, split into ``microbatches``; gradients accumulate
         in ``.grad`` (the optimizer step is the caller's). Returns the batch's loss (detached),
-        on every rank: each microbatch's loss is weighted 1/m, which is the whole batch's mean
-        loss when the model's loss is a mean over equal microbatches."""
+        on every rank: each microbatch's mean cross-entropy is weighted by its share of the
+        batch's counted labels (a microbatch with none adds 0), which makes it the unmodified
+        model's mean over the whole batch (a loss that is not one alone is refused at
+        ``parallelize`` when the batch is split: ``passes.loss_terms``)."""
         micro, weights = self._microbatches(args, kwargs)
         m = self.microbatches
         if self._grad_accum is not None:
@@ -144,9 +149,8 @@ class ParallelModel(nn.Module):
             total = None
             for mb, w in zip(micro, weights):
                 loss = self.graph_module(*mb)[0]
-                weighted = loss if w == 1.0 else loss * w
-                weighted.backward()
-                total = weighted.detach() if total is None else total + weighted.detach()
+                (loss if w == 1.0 else loss * w).backward()
+                total = add_weighted(total, loss, w)
         else:
             total = self._runner.run(micro, weights, dropout_off=not self.training)
         if self._grad_accum is not None:
@@ -169,8 +173,7 @@ class ParallelModel(nn.Module):
             if self._runner is None:
                 total = None
                 for mb, w in zip(micro, weights):
-                    loss = self.graph_module(*mb)[0] * w
-                    total = loss if total is None else total + loss
+                    total = add_weighted(total, self.graph_module(*mb)[0], w)
             else:
                 total = self._runner.run_forward(micro, weights, dropout_off=True)
         return self._global_loss(total)
@@ -244,12 +247,23 @@ class ParallelModel(nn.Module):
         flat = self._flat(args, kwargs)
         m = self.microbatches
         names = [f"input {i}" for i in range(len(flat))]
+        whole = flat
         if self.dp_size > 1:    # this data-parallel rank's share of the global batch
             flat = split_batch(flat, self.dp_size, names, f"dp={self.dp_size}")[self.dp_rank]
         micro = split_batch(flat, m, names)
         self._check_micro(micro[0], f"microbatch (the batch split over dp={self.dp_size} and m={m})"
                           if m * self.dp_size > 1 else "batch")
+        if self.id_checks > 0 and self.program.check_ids is not None:
+            # every piece of the global batch, on every rank: all raise together, none waits
+            self._check_ids(split_batch(whole, m * self.dp_size, names) if self.dp_size > 1 else micro)
         return micro, self._loss_weights(micro)
+
+    def _check_ids(self, pieces) -> None:
+        if self.id_checks > 0 and self.program.check_ids is not None:
+            self.id_checks -= 1
+            for i, piece in enumerate(pieces):
+                self.program.check_ids(piece, f" (microbatch {i} of the {len(pieces)} the batch is split into)"
+                                       if len(pieces) > 1 else "")
 
     def _global_loss(self, total: Optional[torch.Tensor]) -> torch.Tensor:
         """The step's loss on every rank: from the last pipeline stage, averaged over dp."""

@@ -108,7 +108,8 @@ def token_counter(gm: fx.GraphModule, device="cpu"):
 
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     counts = [n for n in calls if n.target is cp_count]
-    losses = [n for n in calls if n.target is vocab_parallel_cross_entropy]
+    # a loss tp left unsplit (replicated logits) stays ATen's, with ATen's argument order
+    losses = [n for n in calls if n.target in (vocab_parallel_cross_entropy, torch.ops.aten.cross_entropy_loss.default)]
     if counts:
         if len(counts) != 1:
             return None
@@ -117,7 +118,14 @@ def token_counter(gm: fx.GraphModule, device="cpu"):
         if len(losses) != 1:
             return None
         ce = losses[0]
-        target, reduction, ignore = ce.args[1], ce.args[4], ce.args[5]
+        if ce.target is vocab_parallel_cross_entropy:
+            target, reduction, ignore = ce.args[1], ce.args[4], ce.args[5]
+        else:
+            def given(i, name, default):
+                return ce.args[i] if len(ce.args) > i else ce.kwargs.get(name, default)
+            target, reduction, ignore = ce.args[1], given(3, "reduction", 1), given(4, "ignore_index", -100)
+            if given(2, "weight", None) is not None:
+                return None      # a mean over class weights, not over a count
         if reduction != 1:
             return None
 

@@ -45,6 +45,14 @@ class TensorSpec:
         return self.eval_shape if dropout_off and self.eval_shape is not None else self.shape
 
 
+def add_weighted(total: Optional[Tensor], loss: Tensor, w: float) -> Tensor:
+    """``total + loss·w``, detached: the step's loss so far. A microbatch of weight 0 has no
+    counted label, so its mean loss is 0/0 = NaN and NaN·0 would make the step's loss NaN;
+    it adds 0, as it adds to the unmodified model's mean over the batch's counted tokens."""
+    part = loss.detach() * w if w != 0 else torch.zeros_like(loss.detach())
+    return part if total is None else total + part
+
+
 def _store():
     try:
         return dist.distributed_c10d._get_default_store()
@@ -226,8 +234,7 @@ class StageRunner:
                     loss = out[0] if isinstance(out, (tuple, list)) else out
                     if keep:
                         outputs[key] = loss
-                    total = loss.detach() * weights[a.microbatch] if total is None else \
-                        total + loss.detach() * weights[a.microbatch]
+                    total = add_weighted(total, loss, weights[a.microbatch])
                     del loss
                 del out         # the dicts hold what is still to be consumed, and only that
             else:

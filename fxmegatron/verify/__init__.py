@@ -7,7 +7,8 @@ does), builds the program of *every* tensor-parallel rank of every data-parallel
 with the same passes ``parallelize`` runs, cut into pipeline chunks and materialised per
 pipeline rank as ``parallelize`` cuts and materialises them (``pipeline.py``), and runs
 all of them in this process on simulated ranks (``simulate.py``), on a fresh batch unlike
-the example (other ids, the example's masked labels kept), split over the replicas and
+the example (other ids, the example's masked labels kept, and, when the batch is split, every
+label of its last microbatch masked: one that counts no token), split over the replicas and
 into microbatches as ``train_step`` splits it. It compares
 
 1. the captured graph with the model run in eager (capture is faithful),
@@ -44,6 +45,8 @@ from fxmegatron.capture import LossOnly, batch_args, capture
 from fxmegatron.compiler import first_microbatch
 from fxmegatron.errors import VerificationError
 from fxmegatron.passes.dropout_rng import dropout_sites
+from fxmegatron.passes.loss_terms import split_loss_problem
+from fxmegatron.runtime.id_check import label_inputs
 from fxmegatron.passes.tp_coverage import Coverage
 from fxmegatron.placement import R, Replicate, join_shards
 from fxmegatron.schedules import ScheduleError, make_schedule
@@ -110,6 +113,23 @@ def fresh_batch(example, seed: int = 1):
     return pytree.tree_map(redraw, example)
 
 
+def with_empty_microbatch(batch, labels, pieces: int):
+    """``batch`` with every label of its last piece (of ``pieces``: the microbatches of every dp
+    replica) set to the loss's ignore_index (``labels``: flat position -> ignore_index, inputs
+    nothing but the loss's target reads), as in an SFT batch whose answers were cut away: a
+    microbatch that counts no token must add nothing to the step, not its 0/0."""
+    if not labels:
+        return batch
+    flat, spec = pytree.tree_flatten(batch)
+    for i, ignore in labels.items():
+        x = flat[i]
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % pieces == 0:
+            x = x.clone()
+            x[x.shape[0] - x.shape[0] // pieces:] = ignore
+            flat[i] = x
+    return pytree.tree_unflatten(flat, spec)
+
+
 def _without_dropout(gm):
     for n in gm.graph.nodes:
         if n.target is aten.dropout.default:
@@ -147,13 +167,19 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     elif schedule not in (None, "gpipe", "1f1b"):
         raise ScheduleError(f"schedule={schedule!r} needs a pipeline (pp > 1 or virtual_stages > 1)")
     layout = layout_name(lay)
-    batch = fresh_batch(example_batch, seed + 1) if batch is None else batch
+    drawn = batch is None
+    batch = fresh_batch(example_batch, seed + 1) if drawn else batch
     ref_model = copy.deepcopy(model)
     # traced at microbatch size, as parallelize traces it
     cap = capture(model, first_microbatch(example_batch, microbatches, dp))
     dropout = bool(dropout_sites(cap.gm))
+    # what parallelize refuses for a split batch: the diagnosis of a loss difference, and no
+    # report of "exact" on a batch where it happens to agree
+    not_additive = split_loss_problem(cap.gm) if microbatches * dp > 1 else None
     if dropout:
         ref_model.eval()
+    if drawn and microbatches * dp > 1:
+        batch = with_empty_microbatch(batch, label_inputs(cap.gm), microbatches * dp)
     flat, spec = pytree.tree_flatten(batch_args(batch))
     names = list(cap.input_names) if len(cap.input_names) == len(flat) else [f"input {i}" for i in range(len(flat))]
     micro = step_microbatches(flat, lay, names)
@@ -246,7 +272,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
             where = f" ({'; '.join(where)})" if where else ""
             raise VerificationError(f"{head}; first divergent {div}{where}")
         if bad_loss:
-            raise VerificationError(f"{head}; {_loss_diagnosis(ref_gm, micro, results, loss_rtol)}")
+            raise VerificationError(f"{head}; {_loss_diagnosis(ref_gm, micro, results, loss_rtol, not_additive)}")
         name, why = bad_grads[0]
         canon = cap.aliases.get(name, name)
         where = holders(prog0, canon)
@@ -254,6 +280,10 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
                                 f"(placed {plan.param_plc.get(canon, R)}{', ' + where if where else ''}): {why}; "
                                 f"it is used by {describe_users(prog0.local.graph, canon)}"
                                 f"{boundary_diagnosis(prog0, [cap.aliases.get(n, n) for n, _ in bad_grads])}")
+    if not_additive:
+        raise VerificationError(f"verify {layout} of {type(model).__name__}: the step's loss agrees with the model's on "
+                                f"this batch, but not on every batch, and parallelize refuses this layout: "
+                                f"{not_additive}")
     worst = max(grad_errs, key=grad_errs.get) if grad_errs else ""
     nodes = sum(1 for _ in prog0.local.graph.nodes)
     return VerifyReport(layout, loss.item(), loss_eager.item(), grad_errs.get(worst, 0.0), worst, nodes,
@@ -270,9 +300,10 @@ def layout_name(lay: Layout) -> str:
     return " ".join(parts)
 
 
-def _loss_diagnosis(ref_gm, micro, results, rtol: float) -> str:
-    """Which microbatch's loss differs from the model graph's on it, or, when none does, that
-    the weighting of the microbatch losses into the step's loss is what is wrong."""
+def _loss_diagnosis(ref_gm, micro, results, rtol: float, not_additive: Optional[str] = None) -> str:
+    """Which microbatch's loss differs from the model graph's on it, or, when none does, the term
+    of the loss that is not additive over microbatches (``not_additive``), or else that the
+    weighting of the microbatch losses into the step's loss is what is wrong."""
     with torch.no_grad():
         for d, rep in enumerate(micro):
             for i, mb in enumerate(rep):
@@ -281,6 +312,9 @@ def _loss_diagnosis(ref_gm, micro, results, rtol: float) -> str:
                 if rel_err(got, want) > rtol:
                     return (f"the loss of microbatch {i} of dp replica {d} is {got.item():.6f} where the captured "
                             f"graph computes {want.item():.6f} on it")
+    if not_additive:
+        return ("every microbatch's loss agrees with the model's on that microbatch, but the loss is not additive "
+                f"over microbatches and dp replicas: {not_additive}")
     weights = [[round(w, 4) for w in r[0]["weights"]] for r in results]
     return ("every microbatch's loss agrees with the model's on that microbatch, but their weighted sum over the "
             f"step (weights by dp replica {weights}, then the mean over replicas) is not the batch's loss: the "

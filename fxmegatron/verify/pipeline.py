@@ -43,7 +43,7 @@ from fxmegatron.passes.tensor_parallel import TPPlan
 from fxmegatron.passes.tp_coverage import Coverage
 from fxmegatron.runtime.materialize import materialize_graph
 from fxmegatron.runtime.stages import boundary_specs, build_stage, loss_weights, split_batch, token_counter
-from fxmegatron.schedules.runtime import TensorSpec
+from fxmegatron.schedules.runtime import TensorSpec, add_weighted
 from fxmegatron.verify.simulate import Recorder
 
 
@@ -197,7 +197,7 @@ def run_step(prog: SimulatedRank, micro: List[List], weights: Sequence[float], r
             carried = list(out) if c < n - 1 else []
         loss = out[0] if isinstance(out, (tuple, list)) else out
         losses.append(loss.detach().clone())
-        total = loss.detach() * w if total is None else total + loss.detach() * w
+        total = add_weighted(total, loss, w)
         torch.autograd.backward(loss * w)
         for c in reversed(range(n - 1)):
             # what the next rank sends back: its boundary leaves' gradients (zeros where none came)
