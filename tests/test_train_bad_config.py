@@ -75,7 +75,19 @@ def test_tokens_outside_the_models_vocabulary(tmp_path, monkeypatch, capsys):
                                                 model={"gpt": {"vocab_size": 500}}))
     code, err = run_main(monkeypatch, capsys, cfg)
     assert code == 2
-    one_line(err, "t.bin holds token ids up to 999", "vocabulary has 500")
+    one_line(err, "t.bin holds token ids up to 999", "vocabulary has 500",
+             'no t.bin.json records its dtype: if the file holds uint32 ids, set data.token_dtype = "uint32"')
+
+
+def test_uint32_tokens_read_as_uint16(tmp_path, monkeypatch, capsys):
+    """The default token_dtype on a uint32 file: ids all inside the vocabulary, every second one 0."""
+    path = tmp_path / "t.bin"
+    (np.arange(4000) % 200).astype(np.uint32).tofile(path)
+    cfg = write_config(tmp_path / "c.toml", base(tmp_path, data={"kind": "tokens", "train": str(path)},
+                                                model={"gpt": {"vocab_size": 256}}))
+    code, err = run_main(monkeypatch, capsys, cfg)
+    assert code == 2
+    one_line(err, f"{path}: read as uint16", 'set data.token_dtype = "uint32"')
 
 
 def test_tokenizer_larger_than_the_models_vocabulary(tmp_path, monkeypatch, capsys):

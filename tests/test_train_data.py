@@ -13,6 +13,7 @@ from fxmegatron.errors import DataError
 from fxmegatron.train import tokens
 from fxmegatron.train.data import (Batches, TokenStream, eval_windows, memmap_tokens, split_stream,
                                    text_tokens, tokenizer_vocab_size)
+from fxmegatron.train.token_files import write_tokens
 
 
 def _bin(path, values, dtype):
@@ -78,6 +79,52 @@ def test_memmap_errors(tmp_path):
         memmap_tokens(str(empty), "uint16")
 
 
+def test_written_tokens_record_their_dtype(tmp_path):
+    path = str(tmp_path / "t.bin")
+    assert write_tokens(path, [[3, 70000], np.array([5, 1])], "uint32", {"note": "x"}) == 4
+    side = json.loads(open(path + ".json").read())
+    assert (side["dtype"], side["tokens"], side["note"]) == ("uint32", 4, "x")
+    s = memmap_tokens(path, "uint32")
+    assert s.read(0, 4).tolist() == [3, 70000, 5, 1] and s.dtype_hint == ""
+    with pytest.raises(DataError, match=rf'^{path}: {path}.json records uint32 tokens, but they are to be read as '
+                                        r'uint16: set data.token_dtype = "uint32"$'):
+        memmap_tokens(path, "uint16")
+    with open(path, "ab") as f:
+        f.write(b"\0\0\0\0")
+    with pytest.raises(DataError, match=rf"^{path}: 20 bytes, but {path}.json records 4 uint32 tokens .*truncated or "
+                                        "replaced"):
+        memmap_tokens(path, "uint32")
+    with pytest.raises(DataError, match="token id 70000 does not fit uint16"):
+        write_tokens(str(tmp_path / "u.bin"), [[70000]], "uint16")
+    # the sidecar vouches for a file that would look like the other dtype without it
+    odd = str(tmp_path / "odd.bin")
+    write_tokens(odd, [np.array([[i % 300, 0] for i in range(500)]).ravel()], "uint16")
+    assert len(memmap_tokens(odd, "uint16")) == 1000
+
+
+@pytest.mark.parametrize("ids", [np.arange(1000) % 300, 60000 + np.arange(1000) * 10],
+                         ids=["ids-below-65536", "llama3-sized-ids"])
+def test_uint32_file_read_as_uint16_is_refused(tmp_path, ids):
+    path = _bin(tmp_path / "t.bin", ids, np.uint32)
+    with pytest.raises(DataError, match=rf'^{path}: read as uint16, every second id .* the upper halves of uint32 ids; '
+                                        r'set data.token_dtype = "uint32"; if it really is uint16, write '):
+        memmap_tokens(path, "uint16")
+    assert memmap_tokens(path, "uint32").read(0, 3).tolist() == ids[:3].tolist()
+
+
+def test_uint16_file_read_as_uint32_is_refused(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 1000, 1000)
+    even = _bin(tmp_path / "even.bin", ids, np.uint16)
+    with pytest.raises(DataError, match=rf'^{even}: read as uint32 it holds id \d+, beyond any vocabulary: pairs of '
+                                        r'uint16 ids; set data.token_dtype = "uint16"'):
+        memmap_tokens(even, "uint32")
+    odd = _bin(tmp_path / "odd.bin", ids[:999], np.uint16)
+    with pytest.raises(DataError, match=rf'^{odd}: size 1998 bytes is not a multiple of 4 .*: a uint16 file\? set '
+                                        r'data.token_dtype = "uint16"'):
+        memmap_tokens(odd, "uint32")
+    assert "if the file holds uint32 ids" in memmap_tokens(even, "uint16").dtype_hint
+
+
 def test_read_outside_stream(tmp_path):
     s = memmap_tokens(_bin(tmp_path / "t.bin", range(10), "uint16"), "uint16")
     assert s.read(7, 3).tolist() == [7, 8, 9]
@@ -141,7 +188,7 @@ def test_hf_cache_is_written_once_and_reused(tmp_path, hf_dir, monkeypatch):
     assert len(calls) == 2
     bins = sorted(p for p in os.listdir(cache) if p.endswith(".bin"))
     assert len(bins) == 1 and not [p for p in os.listdir(cache) if ".tmp-" in p]
-    meta = json.loads((cache / bins[0].replace(".bin", ".json")).read_text())
+    meta = json.loads((cache / (bins[0] + ".json")).read_text())      # token_files' sidecar
     assert meta["dtype"] == "uint16" and meta["tokens"] == len(first)
     second = text_tokens([str(a), str(b)], hf_dir, cache_dir=str(cache))
     assert len(calls) == 2                                  # memmapped, not tokenized again

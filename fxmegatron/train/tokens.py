@@ -11,19 +11,17 @@ import contextlib
 import hashlib
 import json
 import os
-import uuid
 
 import numpy as np
 
 from fxmegatron.errors import DataError
+from fxmegatron.train.token_files import TOKEN_DTYPES, open_tokens, read_sidecar, write_tokens
 
-# Explicit little-endian: nanoGPT and Megatron write native order on x86, and a file must
-# read the same on every host.
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 # A full scan of a multi-GB memmap in one .max() would page the whole file in at once.
 _SCAN_CHUNK = 1 << 22
-# Bumped whenever the cache's content for the same inputs would change.
-_CACHE_FORMAT = 1
+# Bumped whenever the cache's content for the same inputs would change (2: the sidecar of
+# token_files, KEY.bin.json, in place of KEY.json).
+_CACHE_FORMAT = 2
 
 
 class TokenStream:
@@ -44,6 +42,9 @@ class TokenStream:
         self._lo, self._hi = 0, self._starts[-1]
         self.name = name
         self._vocab_needed: int | None = None
+        # What an error about its ids adds: how to read the file otherwise, when nothing
+        # recorded its dtype (token_files.open_tokens).
+        self.dtype_hint = ""
 
     def __len__(self) -> int:
         return self._hi - self._lo
@@ -101,30 +102,14 @@ class TokenStream:
         return {"length": n, "sha256": h.hexdigest()}
 
 
-def _check_dtype(dtype, where: str) -> np.dtype:
-    name = str(dtype)
-    if name not in TOKEN_DTYPES:
-        raise DataError(f"{where}: token dtype must be one of {sorted(TOKEN_DTYPES)}, got {dtype!r}")
-    return TOKEN_DTYPES[name]
-
-
-def _memmap(path: str, dt: np.dtype) -> np.ndarray:
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: token file not found")
-    size = os.path.getsize(path)
-    if size == 0:
-        raise DataError(f"{path}: token file is empty")
-    if size % dt.itemsize:
-        raise DataError(f"{path}: size {size} bytes is not a multiple of {dt.itemsize} "
-                        f"(the size of one {dt.name} token); wrong dtype or a truncated file?")
-    return np.memmap(path, dtype=dt, mode="r")
-
-
 def memmap_tokens(path: str, dtype: str) -> TokenStream:
     """A flat ``.bin`` of uint16 or uint32 tokens without header (Megatron's and nanoGPT's
-    convention), memory-mapped read-only."""
+    convention), memory-mapped read-only, after ``token_files.open_tokens``'s checks of its dtype."""
     path = os.fspath(path)
-    return TokenStream(_memmap(path, _check_dtype(dtype, path)), name=path)
+    arr, hint = open_tokens(path, dtype)
+    stream = TokenStream(arr, name=path)
+    stream.dtype_hint = hint
+    return stream
 
 
 # --- text ------------------------------------------------------------------------------------
@@ -228,16 +213,17 @@ def cache_key(paths: list[str], tokenizer: str) -> str:
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
 
-def _read_cache(bin_path: str, meta_path: str):
+def _read_cache(bin_path: str):
     """The cached stream, or None when absent or inconsistent (then it is rewritten)."""
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = read_sidecar(bin_path)
+        if meta is None:
+            return None
         dt = TOKEN_DTYPES[meta["dtype"]]
         if os.path.getsize(bin_path) != meta["tokens"] * dt.itemsize:
             return None
         return np.memmap(bin_path, dtype=dt, mode="r")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, DataError):
         return None
 
 
@@ -263,19 +249,6 @@ def _exclusive(lock_path: str):
         os.close(fd)   # releases the lock
 
 
-def _atomic_write(path: str, write) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _hf_dtype(tok) -> np.dtype:
     top = max(len(tok), (tok.eos_token_id or 0) + 1)
     return TOKEN_DTYPES["uint16" if top <= 1 << 16 else "uint32"]
@@ -292,33 +265,20 @@ def _cached_hf_tokens_in(paths: list[str], tokenizer: str, cache_dir: str) -> np
     os.makedirs(cache_dir, exist_ok=True)
     key = cache_key(paths, tokenizer)
     bin_path = os.path.join(cache_dir, key + ".bin")
-    meta_path = os.path.join(cache_dir, key + ".json")
-    arr = _read_cache(bin_path, meta_path)
+    arr = _read_cache(bin_path)
     if arr is not None:
         return arr
     with _exclusive(os.path.join(cache_dir, key + ".lock")):
-        arr = _read_cache(bin_path, meta_path)   # another rank may have written it meanwhile
+        arr = _read_cache(bin_path)   # another rank may have written it meanwhile
         if arr is not None:
             return arr
         tok = _load_tokenizer(tokenizer)
         dt = _hf_dtype(tok)
-        count = [0]
-
-        def write_bin(f):
-            for doc in _documents(paths, tok, dt):
-                doc.tofile(f)
-                count[0] += len(doc)
-
-        _atomic_write(bin_path, write_bin)
-        if count[0] == 0:
-            os.remove(bin_path)
+        meta = {"cache_format": _CACHE_FORMAT, "files": [os.path.abspath(p) for p in paths],
+                "tokenizer": os.path.abspath(tokenizer), "eos_token_id": tok.eos_token_id}
+        if write_tokens(bin_path, _documents(paths, tok, dt), dt.name, meta) == 0:
             raise DataError(f"{_name(paths)}: the text files hold no tokens")
-        meta = {"format": _CACHE_FORMAT, "dtype": dt.name, "tokens": count[0],
-                "files": [os.path.abspath(p) for p in paths], "tokenizer": os.path.abspath(tokenizer),
-                "eos_token_id": tok.eos_token_id}
-        # The .json goes last: a reader that finds it knows the .bin is complete.
-        _atomic_write(meta_path, lambda f: f.write(json.dumps(meta, indent=1).encode()))
-    arr = _read_cache(bin_path, meta_path)
+    arr = _read_cache(bin_path)
     if arr is None:
         raise DataError(f"{bin_path}: token cache unreadable right after writing it")
     return arr
