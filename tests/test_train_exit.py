@@ -38,6 +38,15 @@ def test_more_gpus_than_the_host_has(tmp_path, monkeypatch, capsys):
     assert code == 2
     one_line(err, f"run.device = 'cuda' asks for a GPU per process: {procs} process(es) on this host, but torch "
                   f"sees {procs - 1} GPU(s) here")
+    # "auto" on a host with GPUs, but fewer than processes, would have trained on the CPU unasked
+    cfg = write_config(tmp_path / "c.toml", base(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    code, err = run_main(monkeypatch, capsys, cfg, world=2)
+    assert code == 2
+    one_line(err, "run.device = 'auto' asks for a GPU per process: 2 process(es) on this host, but torch sees 1 GPU(s) "
+                  "here: start at most 1 per host (torchrun --nproc-per-node) or set run.device = \"cpu\"")
 
 
 def _launch(cfg, *args, extra_env=None):

@@ -50,7 +50,8 @@ KEYS: List[Key] = [
     _k("run", "out", STR, "runs/train", "output folder: loss.csv, TensorBoard events, loss.png, checkpoints/"),
     _k("run", "steps", INT, REQUIRED, "optimizer steps to train for", minimum=1),
     _k("run", "seed", INT, 0, "seed of the initial weights, the data order and dropout"),
-    _k("run", "device", STR, "auto", "cpu, cuda, or auto (cuda when there is a GPU per process)",
+    _k("run", "device", STR, "auto", "cpu, cuda (a GPU per process on each host, else an error), or auto (cuda when "
+       "there is a GPU per process, cpu when there is none; some but too few is an error)",
        choices=("auto", "cpu", "cuda")),
     _k("run", "precision", STR, "fp32", "fp32, or bf16 (bf16 parameters, fp32 master weights and moments in "
        "FusedAdamW, fp32 gradient accumulation over microbatches)", choices=("fp32", "bf16")),
