@@ -1,6 +1,7 @@
 """``fxmegatron`` command line.
 
     fxmegatron train CONFIG.toml [--dry-run] [--set section.key=value]   (under torchrun: see fxmegatron.train.main)
+    fxmegatron train CONFIG.toml --nproc-per-node 4    (torchrun's launch in this process; exit 2: bad input, 1: failure)
     fxmegatron export CHECKPOINT OUTDIR      (a trainer checkpoint -> a Hugging Face folder)
 
     fxmegatron verify --factory FILE.py:FUNCTION --tp 2,4 [--sequence-parallel both] [--recompute full]
@@ -143,7 +144,9 @@ def main(argv=None):
     if cmd == "schedule":
         from fxmegatron.schedules.draw import main as draw
         return draw(rest)
-    raise SystemExit(f"fxmegatron: unknown command {cmd!r} (train, export, verify, compile, launch, schedule)")
+    # a usage error, as argparse's: status 2 (SystemExit with a message would give 1)
+    print(f"fxmegatron: unknown command {cmd!r} (train, export, verify, compile, launch, schedule)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

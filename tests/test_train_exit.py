@@ -49,6 +49,13 @@ def test_more_gpus_than_the_host_has(tmp_path, monkeypatch, capsys):
                   "here: start at most 1 per host (torchrun --nproc-per-node) or set run.device = \"cpu\"")
 
 
+def test_unknown_cli_command_is_a_usage_error(capsys):
+    from fxmegatron.cli import main
+    assert main(["trian", "c.toml"]) == 2
+    assert capsys.readouterr().err == "fxmegatron: unknown command 'trian' (train, export, verify, compile, launch, " \
+        "schedule)\n"
+
+
 def _launch(cfg, *args, extra_env=None):
     cmd = [sys.executable, "-m", "fxmegatron.cli", "train", str(cfg), "--nproc-per-node", "2", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
