@@ -7,7 +7,8 @@ What the model is comes from the description the trainer stored with it
 
 * "hf": the ``AutoModelForCausalLM`` of the saved config with those weights, written by
   ``save_pretrained`` (config.json, safetensors), so ``from_pretrained(OUTDIR)`` loads it.
-  Tokenizer files the trainer copied into ``CHECKPOINT/tokenizer/`` are copied alongside.
+  The tokenizer the trainer wrote into ``CHECKPOINT/tokenizer/`` is written alongside, first
+  and by its own ``save_pretrained`` (its files only: never a model folder's weights).
 * "gpt": the bundled GPT is not a Hugging Face model. OUTDIR gets model.safetensors (a tied
   LM head stored once, under its first name in the model's order: the embedding's) and config.json
   ``{"fxmegatron_model": "gpt", "gpt_config": {GPTConfig fields}, "dtype": ...}``; load it
@@ -15,6 +16,8 @@ What the model is comes from the description the trainer stored with it
   **gpt_config)).load_state_dict(weights, strict=False)``, the missing key being the tied head).
 * "factory": the factory is called again for the model; it is written by ``save_pretrained``
   when it has one, else as "gpt" is (config.json names the factory).
+
+Every export ends by reading the folder back and comparing each tensor with the checkpoint's.
 """
 from __future__ import annotations
 
