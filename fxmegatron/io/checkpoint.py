@@ -11,6 +11,10 @@
   and cut for the loading layout (``take_shard``), so a checkpoint saved at one
   (dp, pp, tp) loads at another.
 * **No pickles**: safetensors and JSON only; loading executes no stored code.
+* **Checked**: ``index.json`` records each shard's sha256 and size, checked when a rank first
+  reads from the shard; the checkpoint's parameters are compared with the model's (names and
+  shapes) before anything is loaded. A checkpoint without digests (written before they were
+  recorded) loads unverified, with a warning.
 
 Why not ``torch.distributed.checkpoint``: its metadata file is a pickle, and
 its resharding works on DTensors, which cannot express the block-wise split of
