@@ -15,14 +15,15 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.errors import ShardingError
+from fxmegatron.passes.tensor_parallel.nodes import where
 from fxmegatron.placement import R
 from fxmegatron.ops.dropout import DropoutRng, counter_dropout, counter_dropout_attention, local_layout, rng_key
 
 aten = torch.ops.aten
 RNG_ATTR = "fxm_rng"
-_UNSUPPORTED = {aten.native_dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
-                aten.feature_alpha_dropout.default, aten.bernoulli.default, aten.bernoulli.p,
-                aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default}
+# the ops rewritten to keyed forms; every other op ATen tags as drawing from the generator is
+# refused where it draws (``random_ops`` is the whole set, so a new random op cannot slip by)
+KEYED = (aten.dropout.default, aten.scaled_dot_product_attention.default)
 
 
 def _arg(node, i, name, default):
@@ -31,8 +32,44 @@ def _arg(node, i, name, default):
     return node.kwargs.get(name, default)
 
 
+def is_random(op) -> bool:
+    """Whether ``op`` may draw from torch's generator: ATen's own tag, not a list of names."""
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
+def random_ops():
+    """Every ATen overload tagged as drawing random numbers."""
+    out = []
+    for name in dir(aten):
+        packet = getattr(aten, name, None)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            out += [op for op in (getattr(packet, ov) for ov in packet.overloads()) if is_random(op)]
+    return out
+
+
+def draws(node: fx.Node) -> bool:
+    """Whether a random op draws at this call: not a dropout of probability 0 (attention's, an
+    RNN's between layers), nor one whose train flag is off."""
+    args = node.target._schema.arguments
+    for i, a in enumerate(args):
+        v = _arg(node, i, a.name, a.default_value if a.has_default_value() else None)
+        dropout = a.name in ("dropout_p", "dropout") or (a.name == "p" and "dropout" in node.target.name())
+        if (dropout and isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0) or \
+                (a.name in ("train", "training") and v is False):
+            return False
+    return True
+
+
+def _calls(gm: fx.GraphModule):
+    """Every call of ``gm``, the bodies of its higher-order ops (a no_grad region) included."""
+    for mod in gm.modules():
+        if isinstance(mod, fx.GraphModule):
+            yield from (n for n in mod.graph.nodes if n.op == "call_function")
+
+
 def dropout_sites(gm: fx.GraphModule):
-    """The dropout nodes (p > 0) of ``gm``, in order; raises on random ops it cannot key."""
+    """The dropout nodes (p > 0) of ``gm``, in order; raises on every other op that draws random
+    numbers (``is_random``), which it cannot key by element index."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -41,9 +78,14 @@ def dropout_sites(gm: fx.GraphModule):
             out.append(n)
         elif n.target is aten.scaled_dot_product_attention.default and _arg(n, 4, "dropout_p", 0.0) > 0:
             out.append(n)
-        elif n.target in _UNSUPPORTED:
-            raise ShardingError(f"node {n.name} ({n.target}) draws random numbers in a way fxmegatron cannot "
-                                "key by element index; use torch.nn.functional.dropout")
+    for n in _calls(gm):
+        if is_random(n.target) and n.target not in KEYED and draws(n):
+            raise ShardingError(
+                f"{where(n)} draws random numbers ({n.target}), which fxmegatron cannot key by element index "
+                "as it keys dropout (one mask wherever a tensor is whole, the same again in recomputation): "
+                "drawn from each rank's generator, tensor-parallel ranks would draw different numbers and their "
+                "replicated weights drift apart, silently. Turn this randomness off in the model (a router's "
+                "jitter noise, for one: set it to 0; or eval mode), or write it as torch.nn.functional.dropout")
     return out
 
 

@@ -137,3 +137,15 @@ def ids_outside_vocab_tp2(rank, world):
             except BatchError as exc:
                 out[(name, key)] = str(exc)
     return out
+
+
+def jitter_tp2(rank, world):
+    """Mixtral with router jitter (uniform noise in train mode) at tp2: the refusal's message."""
+    import fxmegatron
+    from fxmegatron.errors import ShardingError
+    from tests.workers.common import tp_mesh
+    try:
+        fxmegatron.parallelize(mixtral_jitter(), tp_mesh(world), moe_batch(0))
+    except ShardingError as exc:
+        return str(exc)
+    return None
