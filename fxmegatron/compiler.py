@@ -192,9 +192,9 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
     count = token_counter(local, device) if split else None
     if split and count is None:
         raise LossError(f"parallelize({split_by(cfg.microbatches, dp.size)}) weights each piece of the batch by the "
-                        "labels its cross-entropy counts, but the loss's target is not computed from the batch alone "
-                        "(it reads weights, buffers or submodules), so the counts are not known before the pieces "
-                        "run: train this model without splitting the batch (microbatches=1 and no dp)")
+                        "labels its cross-entropy counts, but those counts cannot be computed from the batch alone "
+                        "(the graph holds several cross-entropies, or the target reads weights, buffers or "
+                        "submodules): train this model without splitting the batch (microbatches=1 and no dp)")
     return RankProgram(
         axes=dict(axes), device=device, in_spec=cap.in_spec, input_names=tuple(cap.input_names),
         example_inputs=placeholders, param_order=tuple(cap.params),

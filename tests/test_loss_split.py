@@ -84,3 +84,15 @@ def test_moe_router_loss_on_gloo_dp2_and_pp2():
         assert r["pp2"] and "microbatches=2" in r["pp2"] and "node add_" in r["pp2"], r["pp2"]
         assert abs(r["loss"] - r["loss_ref"]) <= 1e-5 * abs(r["loss_ref"]), r
         assert r["grad_err"] <= 1e-4, r
+
+
+def test_a_loss_tp_leaves_unsplit_is_weighted_by_its_tokens_too():
+    """Label smoothing keeps ATen's cross-entropy (no vocab-parallel form): its microbatches are
+    weighted by their counted labels as well (1/m before, wrong for uneven counts)."""
+    model = _Head(lambda m, x, y: F.cross_entropy(x, y, label_smoothing=0.1))
+    ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    pm = fxmegatron.parallelize(copy.deepcopy(model), None, (ids, labels), microbatches=2)
+    loss, want = pm.train_step((ids, labels)).item(), model(ids, labels).item()
+    assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
