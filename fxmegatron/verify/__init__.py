@@ -274,6 +274,9 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         if bad_loss:
             raise VerificationError(f"{head}; {_loss_diagnosis(ref_gm, micro, results, loss_rtol, not_additive)}")
         name, why = bad_grads[0]
+        if not_additive:    # the loss may agree to its tolerance where the term's gradients do not
+            raise VerificationError(f"{head}; every forward value agrees, but parameter {name}: {why}, and the loss "
+                                    f"is not additive over microbatches and dp replicas: {not_additive}")
         canon = cap.aliases.get(name, name)
         where = holders(prog0, canon)
         raise VerificationError(f"{head}; every forward value agrees, but parameter {name} "
