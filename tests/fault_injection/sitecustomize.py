@@ -13,8 +13,8 @@ rank) during step FXM_FAULT_STEP (0-based, counted by train_step calls), FXM_FAU
   tp (its square is counted on tp rank 0 alone) or else the last parameter;
 
 the faults a real job meets, injected where they happen, with the package itself unchanged.
-FXM_FAULT_MARK: a file that gets the time of the fault. Without a fault, FXM_WRITES: a file
-that gets a line "RANK PATH" per checkpoint shard written; FXM_EXIT_DIR: a folder that gets
+FXM_FAULT_MARK: a file that gets the time of the fault. With or without a fault, FXM_WRITES
+(tests/test_train_multinode.py): a file that gets a line "RANK PATH" per checkpoint shard written; FXM_EXIT_DIR: a folder that gets
 a file rank-R holding the status rank R's ``main`` returned (none: it never returned)."""
 import os
 
