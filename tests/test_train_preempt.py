@@ -74,6 +74,23 @@ def test_sigterm_stops_every_rank_at_one_step_and_resume_is_bitwise(reference, t
     assert losses(tmp_path / "run") == reference
 
 
+def test_the_launcher_ends_a_preempted_job_with_status_0(tmp_path):
+    """``fxmegatron train CONFIG --nproc-per-node 2`` gets SIGTERM during step 2 (the ``term``
+    fault signals the workers' parent, here the launcher): the workers stop, save and return
+    0, and so does the launcher (torchrun ends with 1 whatever its workers did)."""
+    import subprocess
+    import sys
+
+    from tests.trainer_runs import env
+    cfg = config(tmp_path, "run")
+    r = subprocess.run([sys.executable, "-m", "fxmegatron.train", cfg, "--nproc-per-node", "2"], cwd=ROOT,
+                       env=env({"PYTHONPATH": HERE + os.pathsep + ROOT, "FXM_FAULT": "term", "FXM_FAULT_RANK": "1",
+                                "FXM_FAULT_STEP": "2"}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=240)
+    assert "stopped by SIGTERM after step 3; checkpoint saved at step 3" in r.stdout, r.stdout
+    assert r.returncode == 0, r.stdout
+
+
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(reference, tmp_path):
     """Rank 1 is SIGKILLed once half of its shard of step 4 is on disk: the job ends, step 4
     never becomes a checkpoint, and the resume starts from step 2."""
