@@ -189,7 +189,8 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
                 compile_graph(m, mode)
         pipe = PipelineProgram(sched, tuple(chunks), stage, specs)
     timings["materialize_s"] = time.perf_counter() - t0
-    count = token_counter(local, device) if split else None
+    counter = token_counter(local, device)
+    count = counter if split else None      # unsplit, no count to make each step
     if split and count is None:
         raise LossError(f"parallelize({split_by(cfg.microbatches, dp.size)}) weights each piece of the batch by the "
                         "labels its cross-entropy counts, but those counts cannot be computed from the batch alone "
@@ -202,7 +203,8 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Paral
         aliases=dict(cap.aliases), placements=dict(plan.param_plc), sequence_parallel=plan.sequence_parallel,
         recompute=cfg.recompute_name, seed=cfg.seed, microbatches=cfg.microbatches, graph_module=gm,
         pipeline=pipe, replicated=dict(plan.replicated_params), planning_attempts=plan.attempts,
-        count_tokens=count, check_ids=check_ids, coverage=local.meta[COVERAGE], notes=tuple(cap.notes), timings=timings)
+        count_tokens=count, token_count=counter, check_ids=check_ids, coverage=local.meta[COVERAGE],
+        notes=tuple(cap.notes), timings=timings)
 
 
 def groups(axes: Mapping[str, Axis]) -> dict:

@@ -76,6 +76,8 @@ class RankProgram:
     replicated: Mapping[str, str] = field(default_factory=dict)   # parameter -> why tp keeps it whole
     planning_attempts: int = 0
     count_tokens: Optional[Callable] = None       # flat microbatch -> tokens its loss averages over
+    token_count: Optional[Callable] = None        # the same counter also when the batch is not split:
+                                                  # a compiled folder keeps it for dp or microbatches
     check_ids: Optional[Callable] = None          # flat microbatch -> None, or a BatchError (runtime.id_check)
     coverage: Any = None                          # passes.tp_coverage.Coverage, when compiled here
     notes: Tuple[str, ...] = ()                   # what capture changed

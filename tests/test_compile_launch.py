@@ -57,6 +57,28 @@ def test_launch_reproduces_parallelize(folder, tmp_path):
         assert abs(a - b) <= 1e-6 * abs(b), (launched, inproc)
 
 
+def test_a_folder_weights_microbatches_by_their_counted_labels(tmp_path):
+    """A microbatch with most labels ignored: the folder's step is parallelize's (each
+    microbatch weighted by the labels it counts, the unmodified model's mean), not the mean of
+    the microbatches' means (1/m, what a folder without the counter did)."""
+    from tests.workers.launch import folder_against_parallelize
+    ((loss, grads), (loss_f, grads_f)), has_counter = run_distributed(
+        folder_against_parallelize, 1, str(tmp_path / "f"))[0]
+    assert has_counter
+    assert abs(loss_f - loss) <= 1e-6 * abs(loss), (loss_f, loss)
+    for n, g in grads.items():
+        assert (grads_f[n] - g).abs().max() <= 1e-6 * g.abs().max() + 1e-12, n
+
+
+def test_a_folder_without_a_counter_is_refused_where_the_batch_is_split(folder, rank0_mesh):
+    """A folder written before the counter (microbatches 2): refused at load, not weighted 1/m."""
+    man = json.load(open(os.path.join(folder, "manifest.json")))
+    assert man["count_ignore"] == -100
+    man.pop("count_ignore")
+    with pytest.raises(CompiledFolderError, match="no token counter"):
+        stage_folder.load_folder(stage_folder.CheckedFolder(folder, man), rank0_mesh)
+
+
 def test_launch_refuses_a_layout_it_was_not_compiled_for(folder):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "-m", "fxmegatron.launch", folder, "--steps", "1", "--device", "cpu"],

@@ -153,11 +153,19 @@ def token_counter(gm: fx.GraphModule, device="cpu"):
     g.output(env[target])
     sub = retarget_device(fx.GraphModule(torch.nn.Module(), g), device)
 
+    return counter_of(sub, ignore)
+
+
+def counter_of(sub: torch.nn.Module, ignore: int):
+    """``flat_microbatch -> the labels of ``sub(*flat)`` that are not ``ignore``: the graph and
+    the ignored value ride along (``graph``, ``ignore``), so that a compiled folder can write
+    the counter as code (``io.stage_folder``)."""
     def count(flat) -> int:
         with torch.no_grad():
             t = sub(*flat)
         return int((t != ignore).sum())
 
+    count.graph, count.ignore = sub, ignore
     return count
 
 
