@@ -54,3 +54,65 @@ def test_dump_lists_placements_and_decisions(tmp_path):
     assert "reduce_from_tp" in (tmp_path / "graph.py").read_text()
     plan = (tmp_path / "plan.txt").read_text()
     assert "transformer.wpe" in plan and "replicated: its indices are computed" in plan
+
+
+# ---- the listing, byte for byte, against one recorded before the ops moved to one registry ----------
+DUMP_LAYOUTS = {    # name in tests/data/collectives_dump.txt: (model, mesh sizes, ParallelConfig's options)
+    "gpt tp2": ("gpt", {"tp": 2}, {}),
+    "gpt2 tp2 sp": ("gpt2", {"tp": 2}, {"sequence_parallel": True}),
+    "llama tp2 sp recompute": ("llama", {"tp": 2}, {"sequence_parallel": True, "recompute": "selective"}),
+    "llama cp2": ("llama", {"cp": 2}, {}),
+    "gpt cp2 tp2 sp": ("gpt", {"cp": 2, "tp": 2}, {"sequence_parallel": True}),
+    "gpt tp2 sp overlap": ("gpt", {"tp": 2}, {"sequence_parallel": True, "tp_comm_overlap": 2}),
+    "gpt tp2 sp fp8": ("gpt", {"tp": 2}, {"sequence_parallel": True, "precision": "fp8"}),
+    "gpt tp2 fp8 rowwise": ("gpt", {"tp": 2}, {"precision": "fp8", "fp8_recipe": "rowwise"}),
+    "gpt tp1 fp8": ("gpt", {}, {"precision": "fp8"}),      # fp8 amaxes over no group: not listed
+    "falcon tp2 sp fp8 attention": ("falcon", {"tp": 2}, {"sequence_parallel": True, "precision": "fp8",
+                                                         "fp8_policy": "attention"}),
+}
+
+
+def _recorded():
+    """{layout: its collectives.txt} from tests/data/collectives_dump.txt (lines keep their
+    trailing spaces: the module column of a node outside any module is empty)."""
+    import os
+    path = os.path.join(os.path.dirname(__file__), "data", "collectives_dump.txt")
+    out, name = {}, None
+    with open(path, encoding="utf-8", newline="") as f:
+        for line in f:
+            if line.startswith("## "):
+                name = line[3:].rstrip("\n")
+                out[name] = ""
+            elif name is not None:
+                out[name] += line
+    return out
+
+
+def _rank0_graph(name, sizes, options):
+    """Rank 0's graph after every pass of ``rank_passes`` (no process group: the collectives
+    name the mesh axes)."""
+    from fxmegatron.capture import capture
+    from fxmegatron.compiler import rank_passes
+    from fxmegatron.config import ParallelConfig
+    from fxmegatron.mesh import Axis
+    from fxmegatron.passes.runner import PassRunner
+    from tests.test_fp8_pass import model_and_batch
+
+    model, batch = model_and_batch(name) if name == "falcon" else \
+        (models.build(name, n_layer=2), models.batch(name, batch_size=2))
+    cap = capture(model, batch)
+    axes = {d: Axis() for d in ("dp", "pp", "tp", "cp")}
+    axes.update({d: Axis(s, 0, f"job-{d}", tuple(range(s))) for d, s in sizes.items()})
+    return PassRunner(rank_passes(cap, axes, ParallelConfig(**options)))(cap.gm)
+
+
+@pytest.mark.parametrize("layout", list(DUMP_LAYOUTS))
+def test_dump_collectives_listing_is_unchanged(layout, tmp_path):
+    """f/g and the sequence collectives, the merged linears of tp_comm_overlap, context
+    parallelism's ops (the ring's steps under each attention), the FP8 amax reductions (only
+    over a group) and gathers, and the vocab-parallel loss: each layout's listing is the one
+    recorded before the ops were described by one registry."""
+    gm = _rank0_graph(*DUMP_LAYOUTS[layout])
+    write_dump(str(tmp_path), gm, {})
+    with open(tmp_path / "collectives.txt", encoding="utf-8", newline="") as f:
+        assert f.read() == _recorded()[layout]
