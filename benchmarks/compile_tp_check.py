@@ -31,7 +31,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 import fxmegatron  # noqa: E402
 import fxmegatron.api as api  # noqa: E402
-import fxmegatron.runtime.torch_compile as inductor  # noqa: E402
+import fxmegatron.lower.torch_compile as inductor  # noqa: E402
 from fxmegatron.runtime.distributed import init_from_env, make_mesh  # noqa: E402
 
 

@@ -18,6 +18,9 @@ import torch.utils._pytree as pytree
 from fxmegatron.capture import Captured, capture
 from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import LossError, ScheduleError, ShardingError
+from fxmegatron.lower.materialize import materialize_graph
+from fxmegatron.lower.stages import boundary_specs, build_stage, token_counter
+from fxmegatron.lower.torch_compile import compile_graph
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import apply_context_parallel
@@ -41,9 +44,7 @@ from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
 from fxmegatron.program import PipelineProgram, RankProgram
 from fxmegatron.runtime.id_check import id_checker
-from fxmegatron.runtime.materialize import materialize_graph
-from fxmegatron.runtime.stages import boundary_specs, build_stage, split_batch, token_counter
-from fxmegatron.runtime.torch_compile import compile_graph
+from fxmegatron.runtime.microbatches import split_batch
 
 PLAN, COVERAGE = "fxmegatron/tp_plan", "fxmegatron/tp_coverage"   # keys in GraphModule.meta
 # the passes name a collective's group by its mesh axis; materialisation binds it

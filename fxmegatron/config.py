@@ -12,12 +12,12 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from fxmegatron.errors import PrecisionError, ShardingError
+from fxmegatron.lower.torch_compile import check_compile_options
 from fxmegatron.ops.fp8 import recipe_of
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
 from fxmegatron.passes.fp8 import FP8Policy
 from fxmegatron.passes.recompute import RecomputePolicy
 from fxmegatron.runtime.grad_accumulation import check_grad_accum_dtype
-from fxmegatron.runtime.torch_compile import check_compile_options
 from fxmegatron.schedules import Schedule, ScheduleError, make_schedule
 
 

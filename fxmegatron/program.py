@@ -16,7 +16,7 @@ import torch.fx as fx
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.pipeline_split import Chunk, param_holders
 from fxmegatron.placement import Placement, R
-from fxmegatron.runtime.stages import Stage
+from fxmegatron.lower.stages import Stage
 from fxmegatron.schedules import Schedule
 from fxmegatron.schedules.runtime import TensorSpec
 

@@ -23,6 +23,14 @@
    object's ``_y`` unseen. A class that reads ``self._y`` defined by a base class in
    another module is caught.
 3. **Every file in fxmegatron/ is under MAX_LINES lines.**
+4. **No import goes up the layers** of LAYERS, bottom to top: the graph-level building blocks
+   (capture, ops, codegen, kernels), then ``passes/`` (graph -> graph), ``lower/`` (a
+   transformed graph -> modules: materialisation, stages, torch.compile), ``program.py`` (one
+   rank's program), ``runtime/`` (what runs it). A module may import its own layer and those
+   below, never one above: ``runtime`` may import ``lower``, not the reverse; ``program.py``
+   and ``passes/`` import nothing from ``runtime``. Here imports under ``if TYPE_CHECKING:``
+   count too (a type-only import up the layers is still a dependency on what sits above).
+   Modules in no layer (compiler, config, io, verify, train, ...) are not constrained.
 
 The checks take the package's directory, so the tests of the checks themselves
 (``test_checks_*``) run them on small planted trees.
@@ -79,10 +87,12 @@ def _type_checking_only(tree: ast.Module) -> Set[int]:
     return skip
 
 
-def imports(tree: ast.Module, module: str, is_package: bool) -> Iterator[Tuple[ast.AST, str, List[str]]]:
+def imports(tree: ast.Module, module: str, is_package: bool,
+            type_checking: bool = False) -> Iterator[Tuple[ast.AST, str, List[str]]]:
     """Every executed import in ``tree`` as (node, absolute base module, imported names);
-    ``import a.b`` gives (node, "a.b", []), ``from a import b, c`` gives (node, "a", ["b", "c"])."""
-    skip = _type_checking_only(tree)
+    ``import a.b`` gives (node, "a.b", []), ``from a import b, c`` gives (node, "a", ["b", "c"]).
+    ``type_checking``: those under ``if TYPE_CHECKING:`` as well."""
+    skip = set() if type_checking else _type_checking_only(tree)
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -287,6 +297,42 @@ def long_files(package_dir: str, limit: int = MAX_LINES) -> List[str]:
     return sorted(out)
 
 
+# ---- 4. layers ----------------------------------------------------------------------------------------
+LAYERS = (      # bottom to top; each entry is a package (and everything under it) or a module
+    ("fxmegatron.capture", "fxmegatron.codegen", "fxmegatron.kernels", "fxmegatron.ops"),
+    ("fxmegatron.passes",),
+    ("fxmegatron.lower",),
+    ("fxmegatron.program",),
+    ("fxmegatron.runtime",),
+)
+
+
+def layer_of(module: str, layers=LAYERS):
+    """(index of ``module``'s layer, the package or module of LAYERS that holds it), or None."""
+    for i, layer in enumerate(layers):
+        for top in layer:
+            if module == top or module.startswith(top + "."):
+                return i, top
+    return None
+
+
+def upward_imports(package_dir: str, layers=LAYERS) -> List[str]:
+    """Every import (executed or under ``TYPE_CHECKING``) of a module in a higher layer than
+    the importer's, as "module:line: imports target (its layer is above the importer's)"."""
+    mods = modules(package_dir)
+    out = []
+    for m, path in mods.items():
+        here = layer_of(m, layers)
+        if here is None:
+            continue
+        for node, base, names in imports(parse(path), m, path.endswith("__init__.py"), type_checking=True):
+            for t in [f"{base}.{n}" if f"{base}.{n}" in mods else base for n in names] or [base]:
+                there = layer_of(t, layers)
+                if there is not None and there[0] > here[0]:
+                    out.append(f"{m}:{node.lineno}: imports {t} ({there[1]} is above {here[1]})")
+    return sorted(set(out), key=lambda s: (s.split(":")[0], int(s.split(":")[1]), s))
+
+
 # ---- the rules on fxmegatron/ --------------------------------------------------------------------------
 def test_no_import_cycles():
     graph = import_graph(PACKAGE)
@@ -303,6 +349,17 @@ def test_no_module_reads_another_modules_private_names():
 def test_no_file_over_the_line_limit():
     found = long_files(PACKAGE)
     assert not found, f"files of {MAX_LINES} lines or more:\n  " + "\n  ".join(found)
+
+
+def test_no_import_goes_up_the_layers():
+    found = upward_imports(PACKAGE)
+    assert not found, "imports up the layers (tests/test_architecture.py's LAYERS):\n  " + "\n  ".join(found)
+
+
+def test_every_layer_exists():
+    """A renamed or removed folder would make its layer's rule vacuous."""
+    mods = modules(PACKAGE)
+    assert [top for layer in LAYERS for top in layer if top not in mods] == []
 
 
 # ---- the checks on planted trees ------------------------------------------------------------------------
@@ -351,6 +408,51 @@ CLEAN = {
             def __eq__(self, other):
                 return self._dim == other._dim
         ''',
+    "passes/__init__.py": "",
+    "passes/split.py": '''
+        from fxmegatron.ops import collectives      # down: ops sit below the passes
+
+
+        def split(gm):
+            return collectives.all_reduce(gm)
+        ''',
+    "lower/__init__.py": "",
+    "lower/stages.py": '''
+        from fxmegatron.passes.split import split
+
+
+        class Stage:
+            pass
+
+
+        def build(gm):
+            return Stage(), split(gm)
+        ''',
+    "program.py": '''
+        from fxmegatron.lower.stages import Stage
+
+
+        class RankProgram:
+            stage: Stage
+        ''',
+    "runtime/__init__.py": "",
+    "runtime/loop.py": '''
+        def run(step):
+            return step()
+        ''',
+    "runtime/model.py": '''
+        from typing import TYPE_CHECKING
+
+        from fxmegatron.lower.stages import build       # down: runtime runs what lower builds
+        from fxmegatron.runtime.loop import run
+
+        if TYPE_CHECKING:
+            from fxmegatron.program import RankProgram
+
+
+        def train(program: "RankProgram", gm):
+            return run(lambda: build(gm))
+        ''',
     "io/__init__.py": "",
     "io/checkpoint.py": '''
         from fxmegatron.api import ParallelModel
@@ -385,6 +487,18 @@ PLANTED = [   # (file, code appended, the violation the checks must name: {1} is
     ("io/checkpoint.py", "class Sub(ParallelModel):\n    def f(self):\n        return self._pipeline\n",
      "fxmegatron.io.checkpoint:{3}: self._pipeline (belongs to fxmegatron.api)"),
     ("placement.py", "LONG", f"fxmegatron/placement.py: {MAX_LINES} lines"),    # up to MAX_LINES lines
+    ("program.py", "from fxmegatron.runtime.loop import run\n",
+     "fxmegatron.program:{1}: imports fxmegatron.runtime.loop (fxmegatron.runtime is above fxmegatron.program)"),
+    ("lower/stages.py", "def f():\n    from fxmegatron.runtime import loop\n",
+     "fxmegatron.lower.stages:{2}: imports fxmegatron.runtime.loop (fxmegatron.runtime is above fxmegatron.lower)"),
+    ("lower/stages.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fxmegatron.program import "
+     "RankProgram\n",      # not run, but a dependency all the same: no cycle reported, the layer is
+     "fxmegatron.lower.stages:{3}: imports fxmegatron.program (fxmegatron.program is above fxmegatron.lower)"),
+    ("passes/split.py", "from fxmegatron.runtime import loop\n",
+     "fxmegatron.passes.split:{1}: imports fxmegatron.runtime.loop (fxmegatron.runtime is above "
+     "fxmegatron.passes)"),
+    ("ops/collectives.py", "from .. import lower\n",          # relative
+     "fxmegatron.ops.collectives:{1}: imports fxmegatron.lower (fxmegatron.lower is above fxmegatron.ops)"),
 ]
 
 
@@ -406,11 +520,12 @@ def _tree(root, extra=None):
 
 
 def _all_checks(pkg):
-    return ([" -> ".join(c) for c in cycles(import_graph(pkg))], private_reads(pkg), long_files(pkg))
+    return ([" -> ".join(c) for c in cycles(import_graph(pkg))], private_reads(pkg), long_files(pkg),
+            upward_imports(pkg))
 
 
 def test_checks_pass_on_a_clean_tree(tmp_path):
-    assert _all_checks(_tree(tmp_path)[0]) == ([], [], [])
+    assert _all_checks(_tree(tmp_path)[0]) == ([], [], [], [])
 
 
 @pytest.mark.parametrize("planted", PLANTED, ids=lambda p: p[2].split(": ")[-1][:40])

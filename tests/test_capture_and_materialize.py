@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import fxmegatron
 from fxmegatron.capture import capture
-from fxmegatron.runtime.materialize import init_shard
+from fxmegatron.lower.materialize import init_shard
 from fxmegatron.placement import R, Shard, join_shards, take_shard
 from tests import models
 from tests.helpers import transform

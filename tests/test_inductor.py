@@ -100,7 +100,7 @@ def test_each_fused_group_is_one_call_in_the_compiled_graphs(name, recompute):
 
     from fxmegatron.passes.fuse import Fused
     from fxmegatron.passes.recompute import Recomputed
-    from fxmegatron.runtime.torch_compile import compile_graph
+    from fxmegatron.lower.torch_compile import compile_graph
 
     torch._dynamo.reset()
     pm = fxmegatron.parallelize(models.build(name, dropout=0.1, n_layer=1), None, models.batch(name),

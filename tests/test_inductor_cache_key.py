@@ -1,15 +1,15 @@
 """fxmegatron's part of inductor's cache keys: a changed fxmegatron source misses the caches.
 
 A custom op reaches inductor's FX graph cache and AOT autograd's cache as one call, and its
-autograd formula is not in their keys. ``runtime.inductor_reinplace``'s pass adds a hash of
+autograd formula is not in their keys. ``lower.inductor_reinplace``'s pass adds a hash of
 fxmegatron's sources to the keys. The test uses an op of its own whose backward formula reads
 a value, and a folder that stands in for fxmegatron's sources.
 """
 import pytest
 import torch
 
-from fxmegatron.runtime import inductor_reinplace
-from fxmegatron.runtime.torch_compile import inductor_options
+from fxmegatron.lower import inductor_reinplace
+from fxmegatron.lower.torch_compile import inductor_options
 
 FACTOR = {0: 2.0}
 

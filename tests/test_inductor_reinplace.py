@@ -1,4 +1,4 @@
-"""``runtime.inductor_reinplace``: under compile=True the loss's backward writes the logits'
+"""``lower.inductor_reinplace``: under compile=True the loss's backward writes the logits'
 gradient over the donated logits themselves, with no copy of them first; and the pass leaves
 alone what it cannot prove dead."""
 import copy
@@ -11,7 +11,7 @@ import torch.fx as fx
 
 import fxmegatron
 from fxmegatron.codegen.where_kernels_run import kernels_run
-from fxmegatron.runtime.inductor_reinplace import copy_back_donated_logits
+from fxmegatron.lower.inductor_reinplace import copy_back_donated_logits
 
 from . import models
 

@@ -100,7 +100,7 @@ def test_passes_name_the_tp_axis_and_materialisation_binds_the_group():
     only once the program is materialised for a job (here a made-up group name)."""
     from fxmegatron.compiler import TP_AXIS, groups
     from fxmegatron.ops.collectives import COLLECTIVES
-    from fxmegatron.runtime.materialize import materialize_graph
+    from fxmegatron.lower.materialize import materialize_graph
 
     cap = _captured()
     axes = {"dp": Axis(), "pp": Axis(), "tp": Axis(2, 0, "job-group-7", (0, 1))}

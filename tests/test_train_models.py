@@ -20,7 +20,7 @@ from fxmegatron.errors import ConfigError
 from fxmegatron.mesh import Axis
 from fxmegatron.models.gpt import GPT, GPTConfig
 from fxmegatron.placement import P, R, Shard, take_shard
-from fxmegatron.runtime.materialize import init_shard
+from fxmegatron.lower.materialize import init_shard
 from fxmegatron.train.models import SafetensorsState, load_model
 from tests.families import FAMILIES, make_batch
 

@@ -190,7 +190,7 @@ BUILDERS = {"eager": build_eager, "compile": build_eager, "native": build_native
 
 def initial_state(spec, dev, dtype):
     """The plain model's initial weights (on CPU). fxmegatron initialises a model built on the
-    meta device itself (N(0, 0.02), ``runtime/materialize.py``), which is not every HF model's
+    meta device itself (N(0, 0.02), ``lower/materialize.py``), which is not every HF model's
     own initialisation (GPT-2 scales its residual projections by 1/√(2·layers)): handed these,
     the fx rows start from the weights the other rows start from, and the loss columns compare."""
     model = spec.plain(dev, dtype)

@@ -42,7 +42,7 @@ from fxmegatron.passes.recompute import Recomputed
 from fxmegatron.ops.dropout import DropoutRng
 from fxmegatron.compiler import DP_SEED_STRIDE
 from fxmegatron.placement import placement_from_json, placement_to_json
-from fxmegatron.runtime.materialize import is_module
+from fxmegatron.lower.materialize import is_module
 
 MANIFEST = "manifest.json"
 FORMAT = "fxmegatron-compiled/2"       # /2: the manifest records every file's SHA-256
@@ -330,7 +330,7 @@ def load_folder(folder: Union[str, CheckedFolder], mesh, device=None, grad_accum
     from fxmegatron.passes.pipeline_split import Chunk
     from fxmegatron.program import PipelineProgram, RankProgram
     from fxmegatron.runtime.model import ParallelModel
-    from fxmegatron.runtime.stages import Stage
+    from fxmegatron.lower.stages import Stage
     from fxmegatron.schedules import make_schedule
     from fxmegatron.schedules.runtime import TensorSpec
 
@@ -384,7 +384,7 @@ def _token_count(stage_mod, man, device, dp: int, folder: str):
     """The folder's token counter (``CountTokens``), or None; a folder without one is refused
     where the batch is split (microbatches or replicas would be weighted 1/m, not by their
     counted labels: wrong when they count different numbers)."""
-    from fxmegatron.runtime.stages import counter_of
+    from fxmegatron.lower.stages import counter_of
     if hasattr(stage_mod, "CountTokens") and man.get("count_ignore") is not None:
         return counter_of(stage_mod.CountTokens({}).to(device), man["count_ignore"])
     if man["microbatches"] > 1 or dp > 1:

@@ -1,7 +1,7 @@
 """Whether a graph's loss can be split over microbatches and data-parallel shares exactly.
 
 A step that splits the batch runs the graph on each piece and adds the pieces' losses with
-weights (``runtime.stages.loss_weights``): each piece's mean cross-entropy weighted by its
+weights (``runtime.microbatches.loss_weights``): each piece's mean cross-entropy weighted by its
 share of the counted tokens, so that the sum is the mean over every counted token of the
 batch, which is what the unmodified model computes on the whole batch. That holds for a
 loss that is, from the graph's output back:

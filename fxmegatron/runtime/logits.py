@@ -16,7 +16,7 @@ from fxmegatron.passes.runner import Pass, PassRunner
 from fxmegatron.placement import Partial, Shard
 from fxmegatron.program import RankProgram
 from fxmegatron.runtime.gather import gather_tp
-from fxmegatron.runtime.stages import split_batch
+from fxmegatron.runtime.microbatches import split_batch
 
 
 class LogitsForward:

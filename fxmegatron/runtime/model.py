@@ -22,7 +22,7 @@ from fxmegatron.runtime.gather import gather_stages, gather_tp, sum_shared_grads
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
 from fxmegatron.runtime.logits import LogitsForward
-from fxmegatron.runtime.stages import loss_weights, split_batch
+from fxmegatron.runtime.microbatches import loss_weights, split_batch
 from fxmegatron.schedules.runtime import StageRunner, add_weighted
 
 

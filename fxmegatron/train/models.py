@@ -2,7 +2,7 @@
 
 * ``"gpt"``: the bundled GPT (``fxmegatron.models.gpt``), ``options`` its ``GPTConfig``
   fields. Built on the meta device with no weights: ``parallelize`` then initialises each
-  rank's shards directly (``fxmegatron.runtime.materialize.init_shard``). That draws from the
+  rank's shards directly (``fxmegatron.lower.materialize.init_shard``). That draws from the
   same distributions as ``GPT._init`` (N(0, 0.02) for the embeddings and linear weights, zeros
   for biases, ones for LayerNorm weights) but not the same numbers as ``GPT(cfg)`` under
   ``torch.manual_seed``: each value is keyed by (seed, name, row chunk), so that every layout
@@ -210,7 +210,7 @@ def _factory(path, options, dtype) -> ModelSource:
 class SafetensorsState(Mapping):
     """name -> tensor of a model, read from safetensors files only when asked, cast to
     ``dtype``. ``read_shard`` reads only a rank's slice (``parallelize`` calls it while
-    materialising, see ``fxmegatron.runtime.materialize``). A tied name absent from the files
+    materialising, see ``fxmegatron.lower.materialize``). A tied name absent from the files
     (``lm_head.weight`` saved once, as the embedding) reads the tensor it is tied to."""
 
     def __init__(self, keys: Mapping[str, tuple], dtype: torch.dtype):

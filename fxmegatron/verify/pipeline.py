@@ -36,13 +36,14 @@ from fxmegatron.capture import Captured
 from fxmegatron.compiler import COVERAGE, PLAN, groups, rank_passes
 from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import VerificationError
+from fxmegatron.lower.materialize import materialize_graph
+from fxmegatron.lower.stages import boundary_specs, build_stage, token_counter
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.pipeline_split import Chunk, split_pipeline
 from fxmegatron.passes.runner import PassRunner
 from fxmegatron.passes.tensor_parallel import TPPlan
 from fxmegatron.passes.tp_coverage import Coverage
-from fxmegatron.runtime.materialize import materialize_graph
-from fxmegatron.runtime.stages import boundary_specs, build_stage, loss_weights, split_batch, token_counter
+from fxmegatron.runtime.microbatches import loss_weights, split_batch
 from fxmegatron.schedules.runtime import TensorSpec, add_weighted
 from fxmegatron.verify.simulate import Recorder
 
@@ -142,7 +143,7 @@ def step_microbatches(flat: Sequence, lay: Layout, names: Sequence[str]) -> List
 
 
 def replica_weights(counts: Optional[List[List[int]]], dp_rank: int, dp: int, m: int) -> List[float]:
-    """Replica ``dp_rank``'s microbatch weights, by ``runtime.stages.loss_weights`` as
+    """Replica ``dp_rank``'s microbatch weights, by ``runtime.microbatches.loss_weights`` as
     ``ParallelModel`` computes them; N is what its all-reduce over dp sums."""
     if counts is None:
         return loss_weights(None, 0, dp, m)

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from fxmegatron.errors import CompileError
 from fxmegatron.ops.dropout import rng_key
-from fxmegatron.runtime.inductor_reinplace import loss_grad_over_donated_logits
+from fxmegatron.lower.inductor_reinplace import loss_grad_over_donated_logits
 
 
 
@@ -58,7 +58,7 @@ def compile_graph(gm: fx.GraphModule, mode=None, backend="inductor") -> fx.Graph
 
 def inductor_options(mode=None) -> dict:
     """What ``mode`` sets in inductor, plus fxmegatron's post-grad pass
-    (``runtime.inductor_reinplace``). torch.compile takes a mode or options, not both, so
+    (``lower.inductor_reinplace``). torch.compile takes a mode or options, not both, so
     the mode's options are spelled out."""
     import torch._inductor
     options = dict(torch._inductor.list_mode_options(mode)) if mode else {}

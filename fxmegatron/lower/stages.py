@@ -1,4 +1,5 @@
-"""A rank's pipeline stage: its chunks, with only their parameters materialised.
+"""A rank's pipeline stage, built: its chunks, with only their parameters materialised, the
+shapes that cross their boundaries, and the token counter that weights microbatches.
 
 The whole (tensor-parallel) graph is first built with meta parameters; after
 ``split_pipeline`` a rank materialises the parameters its own chunks use and
@@ -17,28 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxmegatron.capture import Captured, retarget_device
-from fxmegatron.errors import FxMegatronError
+from fxmegatron.lower.materialize import materialize_graph
 from fxmegatron.ops.dropout import DropoutRng, rng_key
-from fxmegatron.runtime.materialize import materialize_graph
 from fxmegatron.passes.pipeline_split import Chunk, param_holders
 from fxmegatron.schedules.runtime import TensorSpec
-
-
-def split_batch(flat: Sequence, m: int, names: Sequence[str], what: Optional[str] = None) -> List[List]:
-    """``m`` pieces (microbatches, or data-parallel shares): every tensor of the flat batch
-    split along dim 0."""
-    out = [[] for _ in range(m)]
-    for x, name in zip(flat, names):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            if x.shape[0] % m:
-                raise FxMegatronError(f"batch input {name!r} has {x.shape[0]} rows along dim 0, which "
-                                      f"{what or f'microbatches={m}'} does not divide")
-            for i, piece in enumerate(x.chunk(m, 0)):
-                out[i].append(piece)
-        else:
-            for i in range(m):
-                out[i].append(x)
-    return out
 
 
 def boundary_specs(chunks: Sequence[Chunk], placeholder_vals: Sequence) -> Dict[int, List[TensorSpec]]:
@@ -167,12 +150,3 @@ def counter_of(sub: torch.nn.Module, ignore: int):
 
     count.graph, count.ignore = sub, ignore
     return count
-
-
-def loss_weights(counts: Optional[Sequence[float]], total: float, dp: int, m: int) -> List[float]:
-    """Each microbatch's (mean) loss weight so that the step's loss is the mean over every
-    counted token of the global batch: count_i·dp / N, with N the counted tokens of the
-    whole batch over the dp replicas (1/m without a counter or without a counted token)."""
-    if counts is None or total == 0:
-        return [1.0 / m] * m
-    return [float(c) * dp / total for c in counts]
