@@ -115,7 +115,7 @@ def no_weights_read(monkeypatch):
     def refuse_to_read(path, *args, **kwargs):
         reads.append(path)
         raise AssertionError(f"read {path}")
-    monkeypatch.setattr(stage_folder.emit, "safe_open", refuse_to_read)      # where load_folder reads
+    monkeypatch.setattr(stage_folder.load, "safe_open", refuse_to_read)      # where load_folder reads
     return reads
 
 

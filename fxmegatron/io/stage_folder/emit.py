@@ -1,52 +1,32 @@
-"""Generated stage modules: each rank's chunks as Python source plus safetensors weights.
+"""Writing a compiled folder: each rank's chunks (and the token counter) as the source of
+``stage.py`` (``stage_source``), its weights as safetensors, and the manifest (``write_folder``).
 
-``write_folder(pm, folder)`` (one call per (pp, tp) rank, data-parallel replica 0)
-writes::
-
-    FOLDER/manifest.json                 layout, schedule, chunks, boundaries, placements, file hashes
-    FOLDER/pp{p}-tp{t}/stage.py          class Chunk{k}(nn.Module) per chunk: readable forward code
-    FOLDER/pp{p}-tp{t}/weights.safetensors
-
-``stage.py`` imports torch and fxmegatron only, never the original model's code.
-The weights are safetensors, loaded with no pickles. The collectives in the
-generated code name their group symbolically ("@tp"), and ``load_folder``
-binds that name to the launching job's process group in the source it loads.
-
-A compiled folder is code: ``load_folder`` executes its ``stage.py`` files. The manifest
-records the SHA-256 of every file written with it, and ``check_folder`` (which
-``load_folder`` and ``fxmegatron.launch`` call before they import or read anything) refuses
-a folder whose files changed after they were written, are missing, or were joined by a .py
-file. That catches a corrupt copy or a hand edit, not a
-malicious author: whoever can rewrite the files can rewrite the manifest too.
+``stage.py`` imports torch and fxmegatron only, never the original model's code. The
+collectives in the generated code name their group symbolically ("@tp"), which
+``load_folder`` binds to the launching job's process group.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
-import textwrap
 import os
-import types
-from typing import Dict, List, NamedTuple, Optional, Union
+import textwrap
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.nn as nn
 import torch.utils._pytree as pytree
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fxmegatron.errors import CompiledFolderError
-from fxmegatron.passes.recompute import Recomputed
-from fxmegatron.ops.dropout import DropoutRng
-from fxmegatron.compiler import DP_SEED_STRIDE
-from fxmegatron.placement import placement_from_json, placement_to_json
+from fxmegatron.io.stage_folder.check import FORMAT, MANIFEST, file_sha256
 from fxmegatron.lower.materialize import is_module
+from fxmegatron.ops.dropout import DropoutRng
+from fxmegatron.passes.recompute import Recomputed
+from fxmegatron.placement import placement_to_json
 
-MANIFEST = "manifest.json"
-FORMAT = "fxmegatron-compiled/2"       # /2: the manifest records every file's SHA-256
-_HASH_BLOCK = 1 << 20
 
 # ---- emitting source --------------------------------------------------------------------
 def _import_line(name: str, obj) -> Optional[str]:
@@ -139,22 +119,6 @@ def stage_source(modules: Dict[int, fx.GraphModule], group_names: Dict[str, str]
     return head + "\n".join(em.imports) + "\n\n\n" + "\n\n".join(em.classes)
 
 
-def attach(root: nn.Module, path: str, value) -> None:
-    """Set ``root.<path>`` creating plain containers on the way (``layers.0.weight``)."""
-    *parents, last = path.split(".")
-    mod = root
-    for p in parents:
-        if not hasattr(mod, p):
-            mod.add_module(p, nn.Module())
-        mod = getattr(mod, p)
-    if isinstance(value, nn.Module):
-        mod.add_module(last, value)
-    elif isinstance(value, nn.Parameter):
-        mod.register_parameter(last, value)
-    else:
-        mod.register_buffer(last, value)
-
-
 # ---- writing ---------------------------------------------------------------------------------
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
@@ -242,155 +206,3 @@ def _get(mod, target):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-# ---- checking --------------------------------------------------------------------------------
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_HASH_BLOCK), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-class CheckedFolder(NamedTuple):
-    """A folder whose files ``check_folder`` found as written, and its manifest: pass it to
-    ``load_folder`` so the files are hashed once."""
-    path: str
-    manifest: dict
-
-
-_TRUST = "a compiled folder is code (launch executes its stage.py files): only run folders you trust"
-
-
-def check_folder(folder: str) -> CheckedFolder:
-    """Refuse ``folder`` unless every file its manifest records is there with the recorded
-    SHA-256, and no rank directory holds a .py file the manifest does not record. Reads the
-    files as bytes; imports nothing."""
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
-        raise CompiledFolderError(f"{folder} has no {MANIFEST}: not a folder written by `fxmegatron compile`")
-    try:
-        with open(path) as f:
-            man = json.load(f)
-    except ValueError as exc:
-        raise CompiledFolderError(f"{path} is not JSON ({exc}): recompile the folder") from None
-    files = man.get("files")
-    if not isinstance(files, dict) or not files:
-        raise CompiledFolderError(f"{path} records no file hashes: the folder was written by an older "
-                                  f"fxmegatron ({man.get('format')}); recompile it with `fxmegatron compile`")
-    layout = man.get("layout", {})
-    loaded = [f"pp{p}-tp{t}/{name}" for p in range(layout.get("pp", 1)) for t in range(layout.get("tp", 1))
-              for name in ("stage.py", "weights.safetensors")]
-    for rel in loaded:     # a manifest that forgets a file would let it load unchecked
-        if rel not in files:
-            raise CompiledFolderError(f"{path} records no hash for {rel}, which load_folder reads; "
-                                      "recompile the folder with `fxmegatron compile`")
-    for rel in sorted(files):
-        parts = rel.split("/")
-        if os.path.isabs(rel) or ".." in parts:
-            raise CompiledFolderError(f"{path} records {rel}, which is not a path inside the folder")
-        if not os.path.isfile(os.path.join(folder, *parts)):
-            raise CompiledFolderError(f"{folder}: {rel} is recorded in {MANIFEST} but missing from the "
-                                      "folder; recompile it or copy it again whole")
-    for d in sorted({os.path.dirname(rel) for rel in files}):
-        for name in sorted(os.listdir(os.path.join(folder, d))):
-            rel = f"{d}/{name}" if d else name
-            if name.endswith(".py") and rel not in files:
-                raise CompiledFolderError(f"{folder}: {rel} is not recorded in {MANIFEST}: it was added after the "
-                                          f"folder was written, and the stage code could import it; {_TRUST}")
-    # the cheap refusals first: hashing reads every byte of every rank's weights
-    for rel in sorted(files):
-        if file_sha256(os.path.join(folder, *rel.split("/"))) != files[rel]:
-            raise CompiledFolderError(f"{folder}: {rel} was modified after the folder was written (its SHA-256 "
-                                      f"is not the one {MANIFEST} records); {_TRUST}. Recompile it or copy it "
-                                      "again")
-    return CheckedFolder(folder, man)
-
-
-# ---- loading -----------------------------------------------------------------------------
-def _load_stage(path: str, name: str, groups: Dict[str, str]) -> types.ModuleType:
-    """The generated module, its symbolic group names ("@tp") bound to this job's groups in
-    its source: each loaded program carries its own binding, nothing global."""
-    with open(path, "rb") as f:
-        src = f.read().decode("utf-8")
-    for sym, real in groups.items():
-        src = src.replace(repr(sym), repr(real))
-    mod = types.ModuleType(name)
-    mod.__file__ = path
-    exec(compile(src, path, "exec"), mod.__dict__)
-    return mod
-
-
-def load_folder(folder: Union[str, CheckedFolder], mesh, device=None, grad_accum_dtype=None):
-    """A ``ParallelModel`` for this rank from a compiled folder (no model code needed): a path,
-    which is checked first (``check_folder``), or what ``check_folder`` returned.
-    ``grad_accum_dtype``: as ``parallelize``'s."""
-    from fxmegatron.mesh import mesh_axes, runtime_device
-    from fxmegatron.passes.pipeline_split import Chunk
-    from fxmegatron.program import PipelineProgram, RankProgram
-    from fxmegatron.runtime.model import ParallelModel
-    from fxmegatron.lower.stages import Stage
-    from fxmegatron.schedules import make_schedule
-    from fxmegatron.schedules.runtime import TensorSpec
-
-    folder, man = folder if isinstance(folder, CheckedFolder) else check_folder(folder)
-    axes = mesh_axes(mesh)
-    for dim in ("pp", "tp"):
-        if axes[dim].size != man["layout"][dim]:
-            raise CompiledFolderError(f"{folder} was compiled for {dim}={man['layout'][dim]}, the mesh has "
-                                      f"{dim}={axes[dim].size}")
-    device = device or runtime_device(mesh)
-    pp, tp, dp = axes["pp"], axes["tp"], axes["dp"]
-    sub = os.path.join(folder, f"pp{pp.rank}-tp{tp.rank}")
-    stage_mod = _load_stage(os.path.join(sub, "stage.py"), f"fxmegatron_stage_pp{pp.rank}_tp{tp.rank}",
-                            {"@" + dim: axes[dim].group_name for dim in ("tp", "pp", "dp")})
-    with safe_open(os.path.join(sub, "weights.safetensors"), "pt") as f:
-        param_names = set(json.loads(f.metadata()["parameters"]))
-        tensors = {k: f.get_tensor(k).to(device) for k in f.keys()}
-    params = {n: nn.Parameter(tensors[n]) for n in param_names}
-    tensors.update(params)
-    chunks = [Chunk(c["index"], None, c["boundary_in"], c["boundary_out"], c["batch_inputs"], c["units"],
-                    c["cost"], c["params"], c["boundary_grad"]) for c in man["chunks"]]
-    modules = {c.index: getattr(stage_mod, f"Chunk{c.index}")(tensors) for c in chunks
-               if c.index % pp.size == pp.rank}
-    for m in modules.values():
-        m.to(device)
-        for sub_m in m.modules():     # data-parallel replicas draw their own dropout masks
-            if isinstance(sub_m, DropoutRng):
-                sub_m.seed = man["seed"] + DP_SEED_STRIDE * dp.rank
-    sched = make_schedule(man["schedule"], pp.size, man["virtual_stages"], man["microbatches"])
-    specs = {int(k): [TensorSpec(tuple(s["shape"]), getattr(torch, s["dtype"]), s["grad"],
-                                 None if s.get("eval_shape") is None else tuple(s["eval_shape"])) for s in v]
-             for k, v in man["specs"].items()}
-    shared = {n: (tuple(s["shape"]), getattr(torch, s["dtype"])) for n, s in man["shared"].items()}
-    placements = {p["name"]: placement_from_json(p["placement"]) for p in man["params"]}
-    count = _token_count(stage_mod, man, device, dp.size, folder)
-    program = RankProgram(
-        axes=axes, device=torch.device(device), in_spec=pytree.treespec_loads(man["in_spec"]),
-        input_names=tuple(man.get("input_names") or [f"input {i}" for i in range(len(man["batch"]))]),
-        example_inputs=tuple(torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]), device="meta")
-                             for b in man["batch"]),
-        param_order=tuple(p["name"] for p in man["params"]),
-        global_params={p["name"]: (tuple(p["shape"]), getattr(torch, p["dtype"])) for p in man["params"]},
-        aliases=man["aliases"], placements=placements, sequence_parallel=man["sequence_parallel"],
-        recompute=man["recompute"], seed=man["seed"], microbatches=man["microbatches"],
-        pipeline=PipelineProgram(sched, tuple(chunks), Stage(modules, params, shared), specs),
-        count_tokens=count if man["microbatches"] > 1 or dp.size > 1 else None, token_count=count)
-    return ParallelModel(program, grad_accum_dtype)
-
-
-def _token_count(stage_mod, man, device, dp: int, folder: str):
-    """The folder's token counter (``CountTokens``), or None; a folder without one is refused
-    where the batch is split (microbatches or replicas would be weighted 1/m, not by their
-    counted labels: wrong when they count different numbers)."""
-    from fxmegatron.lower.stages import counter_of
-    if hasattr(stage_mod, "CountTokens") and man.get("count_ignore") is not None:
-        return counter_of(stage_mod.CountTokens({}).to(device), man["count_ignore"])
-    if man["microbatches"] > 1 or dp > 1:
-        raise CompiledFolderError(
-            f"{folder} holds no token counter (written before fxmegatron wrote one, or for a loss whose "
-            f"counted labels are not a function of the batch alone), so its {man['microbatches']} "
-            f"microbatch(es) x {dp} replica(s) cannot be weighted by the labels each counts: compile it "
-            "again with this version, or launch it with microbatches=1 and dp=1")
-    return None
