@@ -116,3 +116,51 @@ def test_dump_collectives_listing_is_unchanged(layout, tmp_path):
     write_dump(str(tmp_path), gm, {})
     with open(tmp_path / "collectives.txt", encoding="utf-8", newline="") as f:
         assert f.read() == _recorded()[layout]
+
+
+# ---- the registry of communicating ops ------------------------------------------------------------
+OP_MODULES = ["collectives", "overlapped_linear", "context_parallel", "vocab_parallel", "fp8", "fp8_operands",
+              "fp8_gather"]
+
+
+def _records():
+    import importlib
+
+    from fxmegatron.ops.registry import records
+    for m in OP_MODULES:
+        importlib.import_module(f"fxmegatron.ops.{m}")
+    return records()
+
+
+def _parameter_names(op):
+    import inspect
+    schema = getattr(op, "_schema", None)      # an OpOverload (cp_attention)
+    if schema is not None:
+        return [a.name for a in schema.arguments]
+    return list(inspect.signature(op).parameters)
+
+
+def test_every_communicating_op_has_one_record_where_it_is_defined():
+    recs = _records()
+    assert sorted(r.label for r in recs) == sorted([
+        "f", "g", "max", "gather_seq", "scatter_seq", "split_seq", "all_gather_seq",
+        "all_gather+linears", "linear+reduce_scatter", "cp_attention", "cp_sum", "cp_count",
+        "vocab_parallel_cross_entropy[max,g,g]", "fp8_amax", "fp8_amax", "fp8_amax", "fp8_gather_seq",
+        "gather_seq_grad", "all_gather_seq_grad"])
+    for r in recs:
+        module = getattr(r.op, "__module__", None) or ""
+        assert module.startswith("fxmegatron.ops.") or module == "torch._ops.fxmegatron", (r.name, module)
+        assert r.description and r.group_args, r.name
+        names = _parameter_names(r.op)
+        assert all("group" in names[i] for i in r.group_args), (r.name, names, r.group_args)
+    # dropped at tp=1 (passes.trivial_collectives): the tensor-parallel collectives alone
+    assert {r.name for r in recs if r.identity_alone} == {"f", "g", "max", "gather_seq", "scatter_seq", "split_seq",
+                                                          "all_gather_seq"}
+
+
+def test_a_second_record_of_one_op_is_refused():
+    from fxmegatron.ops.collectives import copy_to_tp
+    from fxmegatron.ops.registry import register
+    _records()
+    with pytest.raises(ValueError, match="registered already, as 'f'"):
+        register(copy_to_tp, "f2", "again", (1,))

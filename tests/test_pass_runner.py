@@ -99,7 +99,7 @@ def test_passes_name_the_tp_axis_and_materialisation_binds_the_group():
     """The passes write the mesh axis ("@tp") into the collectives; the group's name appears
     only once the program is materialised for a job (here a made-up group name)."""
     from fxmegatron.compiler import TP_AXIS, groups
-    from fxmegatron.ops.collectives import COLLECTIVES
+    from fxmegatron.ops.registry import record
     from fxmegatron.lower.materialize import materialize_graph
 
     cap = _captured()
@@ -107,8 +107,10 @@ def test_passes_name_the_tp_axis_and_materialisation_binds_the_group():
     local = PassRunner(rank_passes(cap, axes, ParallelConfig(sequence_parallel=True, recompute="full")))(cap.gm)
 
     def group_args(gm):
-        return {a for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
-                if n.op == "call_function" and n.target in COLLECTIVES for a in n.args if isinstance(a, str)}
+        """The group arguments of every communicating op (ops.registry) in ``gm`` and the graphs
+        inside it."""
+        return {n.args[i] for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+                if n.op == "call_function" and record(n.target) for i in record(n.target).group_args}
 
     assert group_args(local) == {TP_AXIS}
     bound = materialize_graph(local, cap, local.meta["fxmegatron/tp_plan"].param_plc, 0, 2, "meta",

@@ -8,33 +8,18 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.capture import module_path
-from fxmegatron.ops.collectives import COLLECTIVES
-from fxmegatron.ops.context_parallel import CP_COLLECTIVES, attention_steps
-from fxmegatron.ops.fp8 import FP8_COLLECTIVES
-from fxmegatron.ops.fp8_gather import FP8_GATHER_COLLECTIVES
-from fxmegatron.ops.fp8_operands import FP8_OPERAND_COLLECTIVES
-from fxmegatron.ops.overlapped_linear import OVERLAPPED_COLLECTIVES
-from fxmegatron.ops.vocab_parallel import VOCAB_PARALLEL_COLLECTIVES
-
-FP8_COMMS = {**FP8_COLLECTIVES, **FP8_OPERAND_COLLECTIVES, **FP8_GATHER_COLLECTIVES}
+from fxmegatron.ops.registry import record
 
 
 def collective_nodes(gm: fx.GraphModule):
-    """(node, short name) for every node that communicates, in graph order."""
+    """(node, short name) for every node that communicates, in graph order: the nodes whose
+    target has a record in ``ops.registry`` and whose call communicates (an FP8 op over no
+    group does not)."""
     out = []
     for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target in COLLECTIVES:
-            out.append((n, COLLECTIVES[n.target][0]))
-        elif n.target in OVERLAPPED_COLLECTIVES:
-            out.append((n, OVERLAPPED_COLLECTIVES[n.target][0]))
-        elif n.target in CP_COLLECTIVES:
-            out.append((n, CP_COLLECTIVES[n.target][0]))
-        elif n.target in FP8_COMMS and any(n.args[i] for i in FP8_COMMS[n.target][2]):  # "": no group
-            out.append((n, FP8_COMMS[n.target][0]))
-        elif n.target in VOCAB_PARALLEL_COLLECTIVES:
-            out.append((n, "vocab_parallel_cross_entropy[" + ",".join(VOCAB_PARALLEL_COLLECTIVES[n.target]) + "]"))
+        rec = record(n.target) if n.op == "call_function" else None
+        if rec is not None and rec.communicates(n.args):
+            out.append((n, rec.label))
     return out
 
 
@@ -105,8 +90,9 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
     with open(os.path.join(directory, "collectives.txt"), "w") as f:
         for n, kind in collective_nodes(gm):
             f.write(f"{n.name:32s} {kind:48s} {module_path(n)}\n")
-            if kind == "cp_attention":
-                f.write("".join(f"    {line}\n" for line in attention_steps(n.args).splitlines()))
+            detail = record(n.target).detail
+            if detail is not None:      # cp attention: the ring's steps
+                f.write("".join(f"    {line}\n" for line in detail(n.args).splitlines()))
     with open(os.path.join(directory, "plan.txt"), "w") as f:
         for k, v in info.items():
             f.write(f"{k}: {v}\n")

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fxmegatron.ops.groups import communicator
+from fxmegatron.ops.registry import register
 
 
 @torch.library.custom_op("fxmegatron::all_reduce", mutates_args=())
@@ -124,9 +125,16 @@ def all_gather_seq(x: Tensor, dim: int, rank: int, world: int, group_name: str) 
     return _AllGatherSeq.apply(x, dim, rank, world, group_name)
 
 
+register(all_gather_seq, "all_gather_seq", "all-gather(seq) forward, local slice backward", (4,),
+         identity_alone=True)
+
+
 def gather_seq(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
     """Sequence parallel's f: all-gather the sequence forward, reduce-scatter backward."""
     return _GatherSeq.apply(x, dim, world, group_name)
+
+
+register(gather_seq, "gather_seq", "all-gather(seq) forward, reduce-scatter backward", (3,), identity_alone=True)
 
 
 def scatter_seq(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
@@ -134,10 +142,17 @@ def scatter_seq(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
     return _ScatterSeq.apply(x, dim, world, group_name)
 
 
+register(scatter_seq, "scatter_seq", "reduce-scatter(seq) forward, all-gather backward", (3,),
+         identity_alone=True)
+
+
 def split_seq(x: Tensor, dim: int, rank: int, world: int, group_name: str) -> Tensor:
     """A replicated activation entering the sequence-split region: keep this rank's slice
     forward, all-gather the gradient backward."""
     return _SplitSeq.apply(x, dim, rank, world, group_name)
+
+
+register(split_seq, "split_seq", "local slice forward, all-gather backward", (4,), identity_alone=True)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -166,9 +181,15 @@ def copy_to_tp(x: Tensor, group_name: str) -> Tensor:
     return _CopyToTP.apply(x, group_name)
 
 
+register(copy_to_tp, "f", "identity forward, all-reduce(sum) backward", (1,), identity_alone=True)
+
+
 def reduce_from_tp(x: Tensor, group_name: str) -> Tensor:
     """Megatron's g: leaves a tensor-parallel region (all-reduce in forward)."""
     return _ReduceFromTP.apply(x, group_name)
+
+
+register(reduce_from_tp, "g", "all-reduce(sum) forward, identity backward", (1,), identity_alone=True)
 
 
 def all_reduce_max(x: Tensor, group_name: str) -> Tensor:
@@ -176,19 +197,10 @@ def all_reduce_max(x: Tensor, group_name: str) -> Tensor:
     return all_reduce(x.detach(), "max", group_name)
 
 
+register(all_reduce_max, "max", "all-reduce(max) forward, no gradient", (1,), identity_alone=True)
+
+
 def local_shard(x: Tensor, dim: int, rank: int, world: int) -> Tensor:
     """This rank's slice of a replicated tensor: no communication."""
     n = x.shape[dim] // world
     return x.narrow(dim, rank * n, n)
-
-
-# What each collective-bearing graph function communicates, for the dump.
-COLLECTIVES = {
-    copy_to_tp: ("f", "identity forward, all-reduce(sum) backward"),
-    reduce_from_tp: ("g", "all-reduce(sum) forward, identity backward"),
-    all_reduce_max: ("max", "all-reduce(max) forward, no gradient"),
-    gather_seq: ("gather_seq", "all-gather(seq) forward, reduce-scatter backward"),
-    scatter_seq: ("scatter_seq", "reduce-scatter(seq) forward, all-gather backward"),
-    split_seq: ("split_seq", "local slice forward, all-gather backward"),
-    all_gather_seq: ("all_gather_seq", "all-gather(seq) forward, local slice backward"),
-}

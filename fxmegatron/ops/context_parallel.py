@@ -23,6 +23,7 @@ from torch import Tensor
 
 from fxmegatron.ops.collectives import all_reduce, reduce_from_tp
 from fxmegatron.ops.groups import resolve_group
+from fxmegatron.ops.registry import register
 
 
 def cp_take(x: Tensor, dim: int, inner: int, seq: int, cp: int, rank: int) -> Tensor:
@@ -43,10 +44,16 @@ def cp_sum(x: Tensor, group_name: str) -> Tensor:
     return reduce_from_tp(x, group_name)
 
 
+register(cp_sum, "cp_sum", "all-reduce(sum) forward, identity backward", (1,))
+
+
 def cp_count(target: Tensor, ignore_index: int, group_name: str) -> Tensor:
     """How many entries of ``target`` over all cp ranks are not ``ignore_index`` (no gradient)."""
     n = (target != ignore_index).sum().to(torch.float32)
     return all_reduce(n, "sum", group_name)
+
+
+register(cp_count, "cp_count", "all-reduce(sum) of the counted tokens, no gradient", (2,))
 
 
 @torch.library.custom_op("fxmegatron::cp_attention", mutates_args=())
@@ -119,9 +126,5 @@ def attention_steps(node_args) -> str:
     return describe(attention_plan(cp, rank, causal, variant))
 
 
-# What each graph function of context parallelism communicates, for the dump.
-CP_COLLECTIVES = {
-    cp_attention: ("cp_attention", "keys/values from every cp rank (forward), their gradients back (backward)"),
-    cp_sum: ("cp_sum", "all-reduce(sum) forward, identity backward"),
-    cp_count: ("cp_count", "all-reduce(sum) of the counted tokens, no gradient"),
-}
+register(cp_attention, "cp_attention", "keys/values from every cp rank (forward), their gradients back "
+         "(backward)", (5,), detail=attention_steps)

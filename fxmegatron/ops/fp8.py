@@ -63,6 +63,7 @@ from torch import Tensor
 from fxmegatron.errors import PrecisionError
 from fxmegatron.kernels.fp8_cast import cast_fp8
 from fxmegatron.ops.collectives import all_reduce
+from fxmegatron.ops.registry import register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # an all-zero tensor (or row: padding tokens, a gradient that is zero) has amax 0: the floor
@@ -307,8 +308,6 @@ def fp8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], recipe: str, tp_group:
     return fp8_linear_op(x, w, b, recipe, tp_group, split)
 
 
-# What fp8_linear communicates when its group is not empty, for the dump (amaxes: a scalar per
-# tensor, or a vector per row): (short name, what, the arguments that name groups)
-FP8_COLLECTIVES = {
-    fp8_linear: ("fp8_amax", "all-reduce(max) of the amaxes of x and w (forward), of dy, w and x (backward)", (4,)),
-}
+# amaxes: a scalar per tensor, or a vector per row; over no group ("") nothing is communicated
+register(fp8_linear, "fp8_amax", "all-reduce(max) of the amaxes of x and w (forward), of dy, w and x (backward)",
+         (4,), needs_group=True)

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from fxmegatron.ops.collectives import all_gather, local_shard, reduce_scatter
 from fxmegatron.ops.fp8 import E4M3, quantize, quantize_pair, recipe_of
+from fxmegatron.ops.registry import register
 
 
 def _gather(t: Tensor, dim: int, world: int, group_name: str) -> Tensor:
@@ -97,6 +98,10 @@ def fp8_gathered_input(x: Tensor, dim: int, world: int, group_name: str) -> Tens
     return _GatheredInput.apply(x, dim, -1, world, group_name)
 
 
+register(fp8_gathered_input, "gather_seq_grad", "no forward communication (the values travel in FP8), "
+         "reduce-scatter backward", (3,), needs_group=True)
+
+
 def fp8_gathered_whole_input(x: Tensor, dim: int, rank: int, world: int, group_name: str) -> Tensor:
     """``all_gather_seq(x, ...)`` (whose readers' gradient is whole on every rank: a replicated
     weight's linear) for readers that need only its shape, dtype and gradient: no forward
@@ -104,17 +109,14 @@ def fp8_gathered_whole_input(x: Tensor, dim: int, rank: int, world: int, group_n
     return _GatheredInput.apply(x, dim, rank, world, group_name)
 
 
+register(fp8_gathered_whole_input, "all_gather_seq_grad", "no forward communication (the values travel in "
+         "FP8), local slice backward", (4,), needs_group=True)
+
+
 def gather_quantize_operand(x: Tensor, recipe: str, dim: int, world: int, group_name: str):
     """The graph's call target for ``fp8_gather_quantize`` (stage folders import it)."""
     return fp8_gather_quantize(x, recipe, dim, world, group_name)
 
 
-# What these ops communicate, for the dump: (short name, what, the arguments that name groups)
-FP8_GATHER_COLLECTIVES = {
-    gather_quantize_operand: ("fp8_gather_seq", "all-reduce(max) of the shard's amaxes, all-gather(seq) of its FP8 "
-                              "bytes (rowwise: and row scales, and the transposed copy)", (4,)),
-    fp8_gathered_input: ("gather_seq_grad", "no forward communication (the values travel in FP8), "
-                         "reduce-scatter backward", (3,)),
-    fp8_gathered_whole_input: ("all_gather_seq_grad", "no forward communication (the values travel in FP8), "
-                               "local slice backward", (4,)),
-}
+register(gather_quantize_operand, "fp8_gather_seq", "all-reduce(max) of the shard's amaxes, all-gather(seq) of "
+         "its FP8 bytes (rowwise: and row scales, and the transposed copy)", (4,), needs_group=True)

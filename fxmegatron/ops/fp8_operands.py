@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from fxmegatron.ops.fp8 import E4M3, amax_group, backward_gemms, fp8_gemm, quantize_pair, recipe_of
+from fxmegatron.ops.registry import register
 
 
 def operand_groups(recipe: str, tp_group: str, split: str, role: str) -> Tuple[str, str]:
@@ -81,14 +82,13 @@ def fp8_linear_q(x: Tensor, w: Tensor, b: Optional[Tensor], recipe: str, tp_grou
     return fp8_linear_q_op(x, w, b, recipe, tp_group, split, qx, sx, qxt, sxt, qw, sw, qwt, swt)
 
 
+register(fp8_linear_q, "fp8_amax", "all-reduce(max) of dy's amaxes (backward)", (4,), needs_group=True)
+
+
 def quantize_operand(x: Tensor, recipe: str, group_rows: str, group_cols: str):
     """The graph's call target for ``fp8_quantize`` (stage folders import it)."""
     return fp8_quantize(x, recipe, group_rows, group_cols)
 
 
-# What these ops communicate when a group is not empty, for the dump: (short name, what, the
-# arguments that name groups)
-FP8_OPERAND_COLLECTIVES = {
-    quantize_operand: ("fp8_amax", "all-reduce(max) of the operand's amaxes (rows, columns)", (2, 3)),
-    fp8_linear_q: ("fp8_amax", "all-reduce(max) of dy's amaxes (backward)", (4,)),
-}
+register(quantize_operand, "fp8_amax", "all-reduce(max) of the operand's amaxes (rows, columns)", (2, 3),
+         needs_group=True)

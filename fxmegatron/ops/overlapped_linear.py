@@ -42,6 +42,7 @@ from torch import Tensor
 
 from fxmegatron.ops import copy_engine
 from fxmegatron.ops.groups import nccl_like, resolve_group
+from fxmegatron.ops.registry import register
 
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
@@ -310,16 +311,15 @@ def gathered_linears(x: Tensor, weights: List[Tensor], biases: List[Optional[Ten
                               [b is not None for b in biases], dim, world, group_name, chunks, transport)[1:]
 
 
+register(gathered_linears, "all_gather+linears", "all-gather(seq) then the linears, in batch pieces; backward: "
+         "reduce-scatter of the input gradient, in pieces", (5,))
+
+
 def scattered_linear(y: Tensor, weight: Tensor, dim: int, world: int, group_name: str, chunks: int,
                      transport: str = "auto") -> Tensor:
     """The graph's call: reduce_scatter(linear(y, weight)) along ``dim``."""
     return linear_reduce_scatter(y.contiguous(), weight, dim, world, group_name, chunks, transport)
 
 
-# What each merged graph function communicates, for the dump.
-OVERLAPPED_COLLECTIVES = {
-    gathered_linears: ("all_gather+linears", "all-gather(seq) then the linears, in batch pieces; backward: "
-                                            "reduce-scatter of the input gradient, in pieces"),
-    scattered_linear: ("linear+reduce_scatter", "linear then reduce-scatter(seq), in batch pieces; backward: "
-                                               "all-gather of the output gradient, in pieces"),
-}
+register(scattered_linear, "linear+reduce_scatter", "linear then reduce-scatter(seq), in batch pieces; backward: "
+         "all-gather of the output gradient, in pieces", (4,))

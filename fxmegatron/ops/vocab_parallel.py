@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fxmegatron.ops.collectives import all_reduce_max, reduce_from_tp
+from fxmegatron.ops.registry import register
 
 
 def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int,
@@ -61,6 +62,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     return _reduce(loss, valid, reduction, out_dtype)
 
 
+register(vocab_parallel_cross_entropy, "vocab_parallel_cross_entropy",
+         "all-reduce(max) of each row's maximum, all-reduce(sum) of its exponentials' sum and of its target's "
+         "logit (forward); no communication backward", (3,), steps=("max", "g", "g"))
+
+
 def _reduce(loss: Tensor, valid: Tensor, reduction: int, out_dtype) -> Tensor:
     if reduction == 0:
         return loss.to(out_dtype)
@@ -71,8 +77,3 @@ def _reduce(loss: Tensor, valid: Tensor, reduction: int, out_dtype) -> Tensor:
     # ATen's, but its gradient must be 0 for the step that weights this microbatch 0, not the
     # division's 0/0 (which the fused kernel's backward would carry into every row)
     return torch.where(count > 0, loss.sum() / count.clamp_min(1), torch.nan).to(out_dtype)
-
-
-VOCAB_PARALLEL_COLLECTIVES = {
-    vocab_parallel_cross_entropy: ["max", "g", "g"],
-}

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxmegatron.ops.collectives import COLLECTIVES, local_shard
+from fxmegatron.ops.collectives import local_shard
+from fxmegatron.ops.registry import record
+
+
+def _identity_alone(target) -> bool:
+    rec = record(target)
+    return rec is not None and rec.identity_alone
 
 
 def drop_trivial_collectives(gm: fx.GraphModule) -> int:
     """Replace each collective node by its input; returns how many went."""
     gone = 0
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and (n.target in COLLECTIVES or n.target is local_shard):
+        if n.op == "call_function" and (n.target is local_shard or _identity_alone(n.target)):
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
             gone += 1
