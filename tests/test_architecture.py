@@ -318,7 +318,8 @@ def layer_of(module: str, layers=LAYERS):
 
 def upward_imports(package_dir: str, layers=LAYERS) -> List[str]:
     """Every import (executed or under ``TYPE_CHECKING``) of a module in a higher layer than
-    the importer's, as "module:line: imports target (its layer is above the importer's)"."""
+    the importer's, as "module:line: imports target (T is above M)", T and M the entries of
+    LAYERS that hold the target and the importer."""
     mods = modules(package_dir)
     out = []
     for m, path in mods.items():
