@@ -48,7 +48,8 @@ def test_a_model_built_after_torchs_async_tp_has_the_right_first_gradient(tmp_pa
            os.path.join(root, "benchmarks", "end_to_end.py"), "--model", "gpt6.7b", "--layers", "2",
            "--global-batch", "8", "--interleave", "--warmup", "2", "--steps", "1", "--no-profile",
            "--layouts", "native-tp2-async,fx-tp2-compile-nosp,native-tp2", "--json", str(out)]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               FXMEGATRON_ALLOW_ASYNC_TP_BESIDE="1")     # past the refusal (runtime/async_tp_guard.py), to look
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     norms = {r["layout"]: r["grad_norm_first"] for r in json.loads(out.read_text())["rows"]}
