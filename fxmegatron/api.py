@@ -1,4 +1,4 @@
-"""``parallelize``: the public entry point. It checks the options (``ParallelConfig``),
+"""``parallelize``: the public entry point. It checks the options (a ``Layout``),
 reads the mesh, asks the compiler for this rank's program and returns the
 ``ParallelModel`` that runs it."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxmegatron.compiler import compile_program
-from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import VerificationError
+from fxmegatron.layout import Layout
 from fxmegatron.mesh import mesh_axes, runtime_device
 from fxmegatron.ops.fp8 import check_fp8_device
 from fxmegatron.runtime.model import ParallelModel
@@ -86,15 +86,16 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
     matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """
-    cfg = ParallelConfig(sequence_parallel=sequence_parallel, recompute=recompute, microbatches=microbatches,
-                         virtual_stages=virtual_stages, schedule=schedule, blocks_per_chunk=blocks_per_chunk,
-                         fuse=fuse, compile=compile, tp_comm_overlap=tp_comm_overlap,
-                         tp_comm_transport=tp_comm_transport, state_dict=state_dict, seed=seed, verbose=verbose,
-                         grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked,
-                         cp_attention=cp_attention, precision=precision, fp8_recipe=fp8_recipe,
-                         fp8_policy=fp8_policy)
+    # the options are checked before the mesh is read, the schedule before verify and capture
+    cfg = Layout(sequence_parallel=sequence_parallel, recompute=recompute, microbatches=microbatches,
+                 virtual_stages=virtual_stages, schedule=schedule, blocks_per_chunk=blocks_per_chunk,
+                 fuse=fuse, compile=compile, tp_comm_overlap=tp_comm_overlap,
+                 tp_comm_transport=tp_comm_transport, state_dict=state_dict, seed=seed, verbose=verbose,
+                 grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked,
+                 cp_attention=cp_attention, precision=precision, fp8_recipe=fp8_recipe, fp8_policy=fp8_policy)
     axes = mesh_axes(mesh)
-    cfg.make_schedule(axes["pp"].size)    # a bad layout fails before verify and capture
+    cfg = cfg.with_degrees(axes)
+    cfg.make_schedule()
     device = runtime_device(mesh, model)
     if cfg.precision == "fp8":
         check_fp8_device(device)
@@ -115,15 +116,11 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _verify_first(model, example_batch, axes, cfg: ParallelConfig) -> None:
+def _verify_first(model, example_batch, axes, cfg: Layout) -> None:
     # simulated ranks run on the CPU (verify refuses a meta model itself)
     on_cpu = all(p.device.type in ("cpu", "meta") for p in model.parameters())
     cpu = model if on_cpu else copy.deepcopy(model).cpu()
-    report = check_layout(cpu, pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), example_batch),
-                          tp=axes["tp"].size, pp=axes["pp"].size, virtual_stages=cfg.virtual_stages,
-                          microbatches=cfg.microbatches, dp=axes["dp"].size, schedule=cfg.schedule,
-                          blocks_per_chunk=cfg.blocks_per_chunk, sequence_parallel=cfg.sequence_parallel,
-                          recompute=cfg.recompute, seed=cfg.seed)
+    report = check_layout(cpu, pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), example_batch), layout=cfg)
     if _rank0():
         print(f"fxmegatron: {report}", flush=True)
 

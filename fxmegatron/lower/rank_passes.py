@@ -1,0 +1,143 @@
+"""The graph passes of one rank, in order (``rank_passes``): context parallelism, the
+tensor-parallel rewrite, counter-based dropout, the meta shards of the local shapes, then the
+optional passes a layout asks for (fp8, tp_comm_overlap, recompute, fuse, the compile helpers).
+
+Collectives name the tp and cp axes (``TP_AXIS``, ``CP_AXIS``), not process groups;
+``groups`` binds them to a rank's groups when it is materialised. ``layout`` is a
+``fxmegatron.layout.Layout`` (read by attribute: the layout module sits above this layer).
+"""
+from __future__ import annotations
+
+from typing import List, Mapping, Optional
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.capture import Captured
+from fxmegatron.errors import ShardingError
+from fxmegatron.lower.materialize import materialize_graph
+from fxmegatron.mesh import Axis
+from fxmegatron.passes.attention_rewrites import attention_rewrites
+from fxmegatron.passes.context_parallel import apply_context_parallel
+from fxmegatron.passes.dropout_rng import apply_counter_rng
+from fxmegatron.passes.fp8 import apply_fp8
+from fxmegatron.passes.fp8_gather import gather_in_fp8
+from fxmegatron.passes.fp8_share import share_fp8_quantization
+from fxmegatron.passes.fuse import apply_fuse
+from fxmegatron.passes.gelu_for_inductor import gelu_tanh_through_sigmoid
+from fxmegatron.passes.gelu_formula import gelu_formula_to_op
+from fxmegatron.passes.gemm_epilogues import apply_gemm_epilogues
+from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
+from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
+from fxmegatron.passes.overlap_tp import apply_tp_overlap
+from fxmegatron.passes.recompute import apply_recompute
+from fxmegatron.passes.runner import Pass, check_shapes
+from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
+from fxmegatron.passes.tp_coverage import coverage
+from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
+
+PLAN, COVERAGE = "fxmegatron/tp_plan", "fxmegatron/tp_coverage"   # keys in GraphModule.meta
+# the passes name a collective's group by its mesh axis; materialisation binds it
+TP_AXIS = "@tp"
+CP_AXIS = "@cp"
+# data-parallel replicas see different samples: their dropout masks must differ too
+DP_SEED_STRIDE = 0x9E3779B1
+
+
+def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_parallel: bool,
+              seed: int, dp_rank: int = 0) -> List[Pass]:
+    """The passes that make one tensor-parallel rank's graph from the captured one: placement
+    planning and the rewrite with f/g and sequence collectives on ``group_name`` (the plan
+    and its coverage land in ``gm.meta``), and counter-based dropout."""
+    def tensor_parallel(gm):
+        plan = plan_tensor_parallel(gm, tp, cap.params.keys(), sequence_parallel)
+        apply_tensor_parallel(gm, plan, tp_rank, group_name)
+        gm.meta[PLAN] = plan
+        gm.meta[COVERAGE] = coverage(gm, plan, cap.params)   # before shapes become local
+        return gm
+
+    passes = [Pass("tensor_parallel", tensor_parallel, ensures={"tp_rewritten"})]
+    passes.append(Pass("loss_reads_logits_dtype", loss_reads_logits_dtype, requires={"tp_rewritten"}))
+    passes.append(Pass("loss_grad_reuses_logits", lambda gm: loss_grad_reuses_logits(gm, tp),
+                       requires={"tp_rewritten"}))
+    passes.append(Pass("attention_rewrites", attention_rewrites, requires={"tp_rewritten"}))
+    if tp == 1:
+        passes.append(Pass("drop_trivial_collectives", drop_trivial_collectives, requires={"tp_rewritten"}))
+    passes.append(Pass("counter_rng", lambda gm: apply_counter_rng(gm, tp_rank, tp, seed + DP_SEED_STRIDE * dp_rank),
+                       requires={"tp_rewritten"}))
+    return passes
+
+
+def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, world: int, device,
+                   state_dict: Optional[Mapping] = None, seed: int = 0) -> fx.GraphModule:
+    """The rank's GraphModule: its parameter shards, buffers and submodules, on ``device``."""
+    local = materialize_graph(gm, cap, plan.param_plc, rank, world, device, state_dict, seed, source=gm)
+    local.meta.update(gm.meta)
+    return local
+
+
+def check_local_shapes(gm: fx.GraphModule) -> fx.GraphModule:
+    """Propagate fake tensors with the local shards: shapes of the rewritten graph must be
+    consistent, and each node ends up with its local value in meta["val"]."""
+    try:
+        check_shapes(gm)
+    except Exception as exc:
+        raise ShardingError(f"the tensor-parallel graph is inconsistent: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    return gm
+
+
+def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
+    """Context parallelism, on the captured graph before tensor parallelism: attention's
+    causal mask proved and dropped first (cp attention runs causal or full attention),
+    then the graph cut to this rank's part of the sequence, and its shapes propagated."""
+    if cp.size == 1:
+        return []
+    return [Pass("attention_rewrites", attention_rewrites),
+            Pass("context_parallel", lambda gm: apply_context_parallel(gm, cp.size, cp.rank, CP_AXIS,
+                                                                       cap.params.keys(), variant)),
+            Pass("cp_local_shapes", check_local_shapes)]
+
+
+def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> List[Pass]:
+    """Every graph pass of a rank, in order. After ``localize`` the graph holds meta shards.
+    Collectives name the tp and cp axes (``TP_AXIS``, ``CP_AXIS``), not process groups: see
+    ``groups``. ``device``: where the program runs (None: not known, as for planning; the
+    passes that only pay off on one kind of device are left out)."""
+    tp = axes["tp"]
+    passes = cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
+    passes += tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank)
+    passes += [
+        Pass("localize", lambda gm: assemble_local(gm, cap, gm.meta[PLAN], tp.rank, tp.size, "meta"),
+             requires={"tp_rewritten"}),
+        Pass("check_local_shapes", check_local_shapes, ensures={"local_shapes"}),
+    ]
+    if cfg.precision == "fp8":
+        # on local shapes (the alignment check sees each rank's GEMMs) and the rewrite's placements
+        # (which dim the ranks split: the amax reductions); before recompute and fuse
+        group = TP_AXIS if tp.size > 1 else ""
+        passes.append(Pass("fp8", lambda gm: apply_fp8(gm, cfg.fp8_policy, cfg.fp8_recipe, group),
+                           requires={"local_shapes"}, ensures={"fp8"}))
+        passes.append(Pass("fp8_share", share_fp8_quantization, requires={"fp8"}))
+        # sequence gathers that only FP8 linears read move FP8 bytes (before tp_overlap claims them)
+        passes.append(Pass("fp8_gather", gather_in_fp8, requires={"fp8"}))
+    if cfg.tp_comm_overlap and tp.size > 1:
+        passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
+                           requires={"local_shapes"}))
+    passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
+    compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"
+    if cfg.compile:     # a written-out tanh GeLU, as one op for the GeLU passes below
+        passes.append(Pass("gelu_formula", gelu_formula_to_op, requires={"local_shapes"}))
+    if compiled_on_cuda:    # before fuse: a GeLU in a GEMM's epilogue is not a fused group's
+        passes.append(Pass("gemm_epilogues", apply_gemm_epilogues, requires={"local_shapes"}))
+    if cfg.fuse:
+        passes.append(Pass("fuse", lambda gm: apply_fuse(gm, beside_inductor=bool(cfg.compile)),
+                           requires={"local_shapes"}))
+    if cfg.compile:     # after fuse: a GeLU a fused group took is not rewritten
+        passes.append(Pass("gelu_for_inductor", gelu_tanh_through_sigmoid, requires={"local_shapes"}))
+    return passes
+
+
+def groups(axes: Mapping[str, Axis]) -> dict:
+    """The binding of the passes' axis names to this rank's process groups."""
+    return {TP_AXIS: axes["tp"].group_name, CP_AXIS: axes.get("cp", Axis()).group_name}
