@@ -30,6 +30,7 @@ import tempfile
 import time
 
 from fxmegatron.factory import load_factory
+from fxmegatron.layout import RECOMPUTE_MODES, SCHEDULE_NAMES, Layout
 
 
 def _compile_worker(rank, world, args, tmp):
@@ -44,10 +45,8 @@ def _compile_worker(rank, world, args, tmp):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     model, batch = load_factory(args.factory)()
     mesh = init_device_mesh("cpu", (args.pp, args.tp), mesh_dim_names=("pp", "tp"))
-    pm = fxmegatron.parallelize(model, mesh, batch, sequence_parallel=args.sequence_parallel,
-                                recompute=args.recompute, microbatches=args.microbatches,
-                                virtual_stages=args.virtual_stages, schedule=args.schedule, seed=args.seed,
-                                _chunked=True)
+    lay = Layout.from_args(args, seed=args.seed)
+    pm = fxmegatron.parallelize(model, mesh, batch, **lay.options(), _chunked=True)
     write_folder(pm, args.out)
     dist.barrier()
     dist.destroy_process_group()
@@ -57,22 +56,16 @@ def compile_main(argv):
     ap = argparse.ArgumentParser(prog="fxmegatron compile",
                                  description="write each rank's stage modules and weights to a folder")
     ap.add_argument("--factory", required=True, help="FILE.py:FUNCTION returning (model, example_batch)")
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--microbatches", type=int, default=1)
-    ap.add_argument("--virtual-stages", type=int, default=1)
-    ap.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"])
-    ap.add_argument("--sequence-parallel", action="store_true")
-    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    Layout.add_arguments(ap, degrees=("pp", "tp"))      # the mesh is pp x tp
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
+    lay = Layout.from_args(args, seed=args.seed)      # a bad layout fails here, before the processes start
     world = args.pp * args.tp
     t0 = time.time()
-    print(f"fxmegatron compile: {args.factory} at pp={args.pp} tp={args.tp} ({world} processes) -> {args.out}",
-          flush=True)
+    print(f"fxmegatron compile: {args.factory} at {lay.describe()} ({world} processes) -> {args.out}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_compile_worker, args=(world, args, tmp), nprocs=world, join=True, start_method="spawn")
@@ -92,9 +85,11 @@ def verify_main(argv):
     ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline chunks per pipeline rank")
     ap.add_argument("--microbatches", type=int, default=1, help="microbatches per step")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (the example batch is the global one)")
-    ap.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES)
+    ap.add_argument("--blocks-per-chunk", default=None, type=lambda s: tuple(int(x) for x in s.split(",")),
+                    help="blocks of each pipeline chunk, comma-separated")
     ap.add_argument("--sequence-parallel", default="off", choices=["off", "on", "both"])
-    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     import copy
@@ -102,7 +97,7 @@ def verify_main(argv):
     import torch
 
     from fxmegatron.errors import FxMegatronError
-    from fxmegatron.verify import Layout, layout_name, verify
+    from fxmegatron.verify import layout_name, verify
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     model, batch = load_factory(args.factory)()
@@ -111,14 +106,16 @@ def verify_main(argv):
     for pp in [int(p) for p in args.pp.split(",")]:
         for tp in [int(t) for t in args.tp.split(",")]:
             for sp in sps:
-                lay = Layout(tp, pp, args.virtual_stages, args.microbatches, args.dp, sp, args.recompute)
+                lay = None
                 try:
-                    print(verify(copy.deepcopy(model), batch, tp=tp, pp=pp, virtual_stages=args.virtual_stages,
-                                 microbatches=args.microbatches, dp=args.dp, schedule=args.schedule,
-                                 sequence_parallel=sp, recompute=args.recompute, seed=args.seed), flush=True)
+                    lay = Layout(tp=tp, pp=pp, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
+                                 dp=args.dp, sequence_parallel=sp, recompute=args.recompute, schedule=args.schedule,
+                                 blocks_per_chunk=args.blocks_per_chunk, seed=args.seed)
+                    print(verify(copy.deepcopy(model), batch, layout=lay), flush=True)
                 except FxMegatronError as exc:
                     failed += 1
-                    print(f"FAILED {layout_name(lay)}: {type(exc).__name__}: {exc}", flush=True)
+                    name = layout_name(lay) if lay is not None else f"tp={tp} pp={pp}"
+                    print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
     return 1 if failed else 0
 
 

@@ -139,8 +139,10 @@ def test_simulated_ranks_build_their_programs_one_at_a_time(monkeypatch):
         with lock:
             inside[0] -= 1
 
-    real = vpipe.rank_passes
-    monkeypatch.setattr(vpipe, "rank_passes", lambda *a, **k: [Pass("probe", probe)] + list(real(*a, **k)))
+    # verify builds through lower.rank.build_rank, which reads the pass list there
+    rank = importlib.import_module("fxmegatron.lower.rank")
+    real = rank.rank_passes
+    monkeypatch.setattr(rank, "rank_passes", lambda *a, **k: [Pass("probe", probe)] + list(real(*a, **k)))
     fam = FAMILIES["llama"]
     model, batch = fam.build(), make_batch(fam, seed=0)
     report = fxmegatron.verify(model, batch, tp=2)

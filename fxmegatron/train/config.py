@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from fxmegatron.errors import ConfigError
+from fxmegatron.layout import PRECISIONS
+from fxmegatron.ops.fp8 import RECIPES
+from fxmegatron.ops.overlapped_linear import TRANSPORTS
 
 try:                            # Python 3.11+
     import tomllib
@@ -44,6 +47,8 @@ def _k(section, name, types, default, doc, choices=None, minimum=None):
 
 
 STR, INT, FLOAT, BOOL, LIST = str, int, (int, float), bool, (str, list)
+INTS = (list,)          # a list of whole numbers
+NAMES = (list, str)     # a name or a list of strings (not LIST: no paths)
 
 KEYS: List[Key] = [
     # ---- run ----
@@ -105,8 +110,21 @@ KEYS: List[Key] = [
        "virtual_stages > 1)", choices=("", "gpipe", "1f1b", "interleaved")),
     _k("layout", "fuse", BOOL, False, "fxmegatron's generated Triton kernels for elementwise chains"),
     _k("layout", "compile", BOOL, False, "torch.compile each rank's graph (not with fuse)"),
-    _k("layout", "overlap", INT, 0, "with sequence_parallel: cut each tensor-parallel all-gather and "
+    _k("layout", "tp_comm_overlap", INT, 0, "with sequence_parallel: cut each tensor-parallel all-gather and "
        "reduce-scatter into this many pieces overlapped with the matmuls (0: off; GPU)", minimum=0),
+    _k("layout", "overlap", INT, 0, "the first name of tp_comm_overlap, still read (give one of the two)",
+       minimum=0),
+    _k("layout", "tp_comm_transport", STR, "auto", "what moves tp_comm_overlap's pieces: copy_engine (the GPU's "
+       "copy engines, symmetric memory), nccl (the process group), or auto (copy engines where the group has "
+       "them)", choices=TRANSPORTS),
+    _k("layout", "blocks_per_chunk", INTS, [], "transformer blocks of each pipeline chunk, pp x virtual_stages "
+       "numbers (empty: balanced by cost)"),
+    _k("layout", "precision", STR, "bf16", "the linear layers' matmuls: bf16 (in the parameters' dtype, "
+       "run.precision) or fp8 (FP8 GEMMs with dynamic scales; sm_89+ on GPU, emulated on CPU)", choices=PRECISIONS),
+    _k("layout", "fp8_recipe", STR, "tensorwise", "precision = fp8: the scaling recipe, tensorwise or rowwise",
+       choices=tuple(sorted(RECIPES))),
+    _k("layout", "fp8_policy", NAMES, "all", "precision = fp8: the linears in FP8, all, attention, mlp, or a "
+       "list of module-path regexes"),
     # ---- optim ----
     _k("optim", "lr", FLOAT, 3e-4, "peak learning rate", minimum=0),
     _k("optim", "min_lr", FLOAT, 3e-5, "learning rate at the end of the decay", minimum=0),
@@ -153,9 +171,14 @@ def _check_value(key: Key, value, where: str):
         raise ConfigError(f"{where}: {key.path} must be a table, got {value!r}")
     ok = isinstance(value, key.types) and not (isinstance(value, bool) and bool not in key.types)
     if not ok:
-        want = " or ".join(sorted({"list of strings" if t is list else t.__name__ for t in key.types}))
+        want = "a list of whole numbers" if key.types == INTS else \
+            " or ".join(sorted({"list of strings" if t is list else t.__name__ for t in key.types}))
         raise ConfigError(f"{where}: {key.path} = {value!r} must be {want}")
-    if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+    if key.types == NAMES and isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: {key.path} must be a name or a list of strings, got {value!r}")
+    if key.types == INTS and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{where}: {key.path} must be a list of whole numbers, got {value!r}")
+    if key.types == LIST and isinstance(value, list) and not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{where}: {key.path} must be a path or a list of paths, got {value!r}")
     if key.choices is not None and value not in key.choices:
         raise ConfigError(f"{where}: {key.path} = {value!r} is not one of {', '.join(map(repr, key.choices))}")
@@ -315,6 +338,7 @@ def markdown() -> str:
         lines += [f"### [{section}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for k in (k for k in KEYS if k.section == section):
             t = ("number" if k.types == FLOAT else "path or list of paths" if k.types == LIST
+                 else "list of numbers" if k.types == INTS else "string or list of strings" if k.types == NAMES
                  else "table" if k.types == (dict,) else k.types[0].__name__)
             d = "required" if k.default is REQUIRED else repr(k.default).replace("'", '"')
             lines.append(f"| `{k.path}` | {t} | {d} | {k.doc} |")

@@ -9,15 +9,11 @@ from fxmegatron.train.setup import Prepared
 
 
 def print_plan(prep: Prepared) -> None:
-    cfg, lay = prep.cfg, prep.cfg.layout
+    cfg = prep.cfg
     batch = prep.batch(prep.train.windows(0), "cpu")
     device = "cpu" if cfg.run.device == "cpu" else "cuda"
-    plan = plan_run(prep.source.model, batch, dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp,
-                    cp_attention=lay.cp_attention,
-                    sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
-                    virtual_stages=lay.virtual_stages, microbatches=lay.microbatches, schedule=lay.schedule or None,
-                    param_dtype=prep.dtype, optimizer="fused_adamw" if cfg.optim.fused else "adamw",
-                    grad_accum_dtype=prep.grad_accum_dtype, device=device)
+    plan = plan_run(prep.source.model, batch, layout=prep.layout, param_dtype=prep.dtype,
+                    optimizer="fused_adamw" if cfg.optim.fused else "adamw", device=device)
     print(f"config: {cfg.source}")
     print(plan.format())
     tokens = cfg.data.global_batch * cfg.data.seq_len

@@ -4,6 +4,7 @@ evaluation and checkpoints on their cadence, logging on rank 0. Each step's batc
 only on the step, so a run resumed at any layout sees what an uninterrupted one would."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 import fxmegatron
 from fxmegatron.errors import TrainingError
+from fxmegatron.layout import default_schedule
 from fxmegatron.optim import FusedAdamW, clip_coefficient
 from fxmegatron.runtime.distributed import Env, make_mesh
 from fxmegatron.runtime.grad_norm import scale_grads_
@@ -32,11 +34,12 @@ def layout_line(cfg) -> str:
     if lay.cp > 1:
         s = f"dp={lay.dp} pp={lay.pp} cp={lay.cp} tp={lay.tp} ({lay.cp_attention})"
     if lay.pp > 1:
-        sched = lay.schedule or ("interleaved" if lay.virtual_stages > 1 else "1f1b")
+        sched = lay.schedule or default_schedule(lay.virtual_stages)
         s += f" ({sched}, v={lay.virtual_stages})"
     s += f", m={lay.microbatches}"
+    overlap = lay.tp_comm_overlap or lay.overlap
     for flag, text in ((lay.sequence_parallel, "SP"), (lay.recompute != "none", f"recompute={lay.recompute}"),
-                       (lay.fuse, "fuse"), (lay.compile, "compile"), (lay.overlap, f"overlap={lay.overlap}")):
+                       (lay.fuse, "fuse"), (lay.compile, "compile"), (overlap, f"overlap={overlap}")):
         if flag:
             s += f", {text}"
     return s
@@ -90,12 +93,8 @@ def train(prep: Prepared, env: Env, t_start: float) -> int:
     with Watchdog(env.rank, env.world, cfg.run.watchdog_s, first_step_timeout_s=first) as wd:
         wd.step(-1, timeout_s=first)     # parallelize, as a step of its own with the first step's allowance
         t0 = time.perf_counter()
-        pm = fxmegatron.parallelize(src.model, mesh, example, sequence_parallel=lay.sequence_parallel,
-                                    recompute=lay.recompute, microbatches=lay.microbatches,
-                                    virtual_stages=lay.virtual_stages, schedule=lay.schedule or None, fuse=lay.fuse,
-                                    compile=lay.compile, tp_comm_overlap=lay.overlap, state_dict=src.state_dict,
-                                    seed=cfg.run.seed, grad_accum_dtype=prep.grad_accum_dtype,
-                                    cp_attention=lay.cp_attention)
+        layout = dataclasses.replace(prep.layout, state_dict=src.state_dict)
+        pm = fxmegatron.parallelize(src.model, mesh, example, **layout.options())
         t_parallelize = time.perf_counter() - t0
         opt = build_optimizer(pm, cfg)
         start = 0

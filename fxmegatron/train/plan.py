@@ -8,8 +8,8 @@ schedule, from the model on the meta device, without a process group or a weight
 
     python -m fxmegatron.train.plan --llama8b --pp 4 --tp 2 --microbatches 8 --seq 8192
 
-One capture; then the compiler's list of passes (``compiler.rank_passes``, as ``parallelize``
-and ``verify`` run it) for tensor-parallel rank 0 only, leaving meta shards: tp ranks hold
+One capture; then the compiler's list of passes and pipeline cut (``lower.rank.build_rank``, as
+``parallelize`` and ``verify`` run them) for tensor-parallel rank 0 only, leaving meta shards: tp ranks hold
 shards of equal shapes and run the same graph, so rank 0 speaks for all. The pipeline cut
 (``split_pipeline``) of that one graph gives every pipeline rank's chunks (chunk c on rank
 c mod pp), so no rank is built twice. Activations are measured on those chunks
@@ -31,15 +31,18 @@ import torch
 import torch.nn as nn
 
 from fxmegatron.capture import capture
-from fxmegatron.compiler import COVERAGE, PLAN, first_microbatch, rank_passes
-from fxmegatron.config import ParallelConfig
-from fxmegatron.mesh import Axis
-from fxmegatron.passes.pipeline_split import split_pipeline
-from fxmegatron.passes.runner import PassRunner
+from fxmegatron.compiler import first_microbatch
+from fxmegatron.layout import RECOMPUTE_MODES, SCHEDULE_NAMES, Layout
+from fxmegatron.lower.rank import build_rank
 from fxmegatron.placement import R, Shard, local_shape, shard_slices
 from fxmegatron.schedules import Schedule, simulate
 from fxmegatron.train.plan_memory import (OPTIMIZER_NOTES, OPTIMIZERS, byte_unit, grad_bytes, in_flight,
                                           optimizer_bytes, saved_by_chunks, timeline_text)
+
+# the layout's fields the plan reads; the others (fuse, compile, fp8, tp_comm_overlap) change
+# kernels and communication, not what a rank holds or saves, and are left out of the plan
+PLANNED = ("dp", "pp", "cp", "tp", "sequence_parallel", "recompute", "microbatches", "virtual_stages", "schedule",
+           "blocks_per_chunk", "grad_accum_dtype", "cp_attention")
 
 FORMULA = ("total = parameters + gradients + optimizer state + activations (+ recompute); activations = the "
            "most, over the rank's schedule, of the sum of saved(chunk) over the (microbatch, chunk) pairs in "
@@ -125,7 +128,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
              schedule: Optional[str] = None, param_dtype: Optional[torch.dtype] = None, optimizer: str = "adamw",
              grad_accum_dtype: Optional[torch.dtype] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
              device: str = "cuda", picture: Optional[str] = None, cp: int = 1,
-             cp_attention: str = "ring") -> RunPlan:
+             cp_attention: str = "ring", layout: Optional[Layout] = None) -> RunPlan:
     """The plan of a run (module docstring). ``example_global_batch``: one optimizer step's
     batch over all data-parallel ranks (split over dp, then into ``microbatches``, as
     ``parallelize`` splits it). ``param_dtype``: the dtype the parameters train in (the
@@ -133,28 +136,30 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     "cpu", which decides the form of the ops whose kernels keep other tensors than their torch
     form (``plan_memory``). ``picture``: also draw the schedule to this .png or .svg. ``cp``:
     context parallelism, the graph of cp rank 0 (its two chunks of the sequence; every cp rank
-    holds as much), with ``cp_attention``."""
+    holds as much), with ``cp_attention``. ``layout``: a ``Layout`` in place of the layout's
+    keywords (dp, pp, tp, cp and the options)."""
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
     model = _in_dtype(model_on_meta, param_dtype)
-    cfg = ParallelConfig(sequence_parallel=sequence_parallel, recompute=recompute, microbatches=microbatches,
-                         virtual_stages=virtual_stages, schedule=schedule, blocks_per_chunk=blocks_per_chunk,
-                         grad_accum_dtype=grad_accum_dtype, cp_attention=cp_attention)
-    sched = cfg.make_schedule(pp)        # the layout's errors before the capture's seconds
+    cfg = Layout(**{n: getattr(layout, n) for n in PLANNED}) if layout is not None else Layout(dp=dp, pp=pp, tp=tp, cp=cp, sequence_parallel=sequence_parallel, recompute=recompute,
+                           microbatches=microbatches, virtual_stages=virtual_stages, schedule=schedule,
+                           blocks_per_chunk=blocks_per_chunk, grad_accum_dtype=grad_accum_dtype,
+                           cp_attention=cp_attention)
+    dp, pp, tp, cp, microbatches = cfg.dp, cfg.pp, cfg.tp, cfg.cp, cfg.microbatches
+    grad_accum_dtype = cfg.grad_accum_dtype
+    sched = cfg.make_schedule()        # the layout's errors before the capture's seconds
     cap = capture(model, first_microbatch(example_global_batch, microbatches, dp))
-    axes = {"tp": Axis(tp, 0, "", tuple(range(tp))), "pp": Axis(pp), "dp": Axis(dp)}
-    if cp > 1:      # cp rank 0's graph: its two chunks of the sequence (every cp rank's alike in size)
-        axes["cp"] = Axis(cp, 0, "", tuple(range(cp)))
-    # the compiler's passes on the capture itself (nothing else reads it); no materialisation
-    # and no boundary propagation: the activations' run on meta finds the boundaries
-    local = PassRunner(rank_passes(cap, axes, cfg))(cap.gm)
-    tp_plan = local.meta[PLAN]
+    # the compiler's passes for tp rank 0 (cp rank 0: its two chunks of the sequence, every cp
+    # rank's alike in size) on the capture itself (nothing else reads it), and the pipeline cut;
+    # no materialisation and no boundary propagation: the activations' run on meta finds the boundaries
+    built = build_rank(cap, cfg, {}, None, {})
+    local, tp_plan = built.local, built.plan
     example = [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"]
-    if cfg.pipelined(pp):
-        chunks = split_pipeline(local, pp * virtual_stages, blocks_per_chunk=blocks_per_chunk)
+    if built.chunks is not None:
+        chunks = built.chunks
         modules = [c.gm for c in chunks]
         uses = {c.index: [n for n in c.params if n in cap.params] for c in chunks}
         grads, inputs = [c.boundary_grad for c in chunks], [c.batch_inputs for c in chunks]
@@ -188,8 +193,8 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
         notes.append(f"schedule drawn to {picture}")
     return RunPlan(
         model=cap.model_cls, model_params=sum(t.numel() for t in cap.params.values()), dp=dp, pp=pp, tp=tp,
-        virtual_stages=virtual_stages, microbatches=microbatches, schedule=sched.name if sched else "",
-        sequence_parallel=sequence_parallel, recompute=cfg.recompute_name,
+        virtual_stages=cfg.virtual_stages, microbatches=microbatches, schedule=sched.name if sched else "",
+        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_name,
         param_dtype=next(iter(cap.params.values())).dtype if cap.params else torch.float32, optimizer=optimizer,
         grad_accum_dtype=grad_accum_dtype,
         microbatch=[f"{name} {list(v.shape)} {str(v.dtype).replace('torch.', '')}" for name, v in
@@ -199,7 +204,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
         unused_numel=sum(t.numel() for n, t in cap.params.items() if n not in holders),
         tied_numel={n: cap.params[n].numel() for n in tied},
         bubble=res.overall_bubble_fraction if res else None, timeline=timeline_text(sched, res) if res else "",
-        coverage=local.meta[COVERAGE].summary() if tp > 1 else "",
+        coverage=built.coverage.summary() if tp > 1 else "",
         seconds=time.perf_counter() - t0, notes=notes + list(cap.notes), cp=cp)
 
 
@@ -340,9 +345,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, default in (("dp", 1), ("pp", 1), ("cp", 1), ("tp", 1), ("virtual-stages", 1), ("microbatches", 1),
                           ("seq", 8192), ("micro-batch-size", 1)):
         ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
+    ap.add_argument("--schedule", choices=SCHEDULE_NAMES)
     ap.add_argument("--sequence-parallel", action="store_true")
-    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     ap.add_argument("--grad-accum-fp32", action="store_true")

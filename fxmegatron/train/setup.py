@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from fxmegatron.errors import ConfigError, DataError
+from fxmegatron.errors import ConfigError, DataError, FxMegatronError
+from fxmegatron.layout import Layout
 from fxmegatron.train import config as config_mod
 from fxmegatron.train.config import Config
 from fxmegatron.train.data import (Batches, eval_windows, memmap_tokens, split_stream, text_tokens,
@@ -33,6 +34,7 @@ class Prepared:
     n_params: int                      # the whole model's, tied weights once
     layers: Optional[int]              # from the model's config, for the attention FLOPs (None: unknown)
     hidden: Optional[int]
+    layout: Optional[Layout] = None    # the [layout] table as a Layout (seed and gradient sums from [run])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -40,10 +42,7 @@ class Prepared:
 
     @property
     def grad_accum_dtype(self) -> Optional[torch.dtype]:
-        """fp32 sums of bf16 gradients wherever a step accumulates (microbatches, pipeline chunks)."""
-        lay = self.cfg.layout
-        accumulates = lay.microbatches > 1 or lay.pp > 1
-        return torch.float32 if self.dtype != torch.float32 and accumulates else None
+        return grad_accum_dtype(self.cfg)
 
     def batch(self, windows: torch.Tensor, device) -> Any:
         """What the model's forward takes, from windows of seq_len + 1 tokens."""
@@ -112,6 +111,7 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     opened and the model built on meta; raises ConfigError / DataError naming what is wrong."""
     config_mod.check_world(cfg, world if world is not None else
                            cfg.layout.dp * cfg.layout.pp * cfg.layout.cp * cfg.layout.tp)
+    layout = layout_of(cfg)
     config_mod.check_files(cfg)
     train, valid = _streams(cfg, os.path.join(cfg.run.out, "cache"))
     if cfg.data.kind == "text":
@@ -141,4 +141,20 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     name = type(model).__name__ + (f" from {m.path}" if m.path else "")
     n_params = sum(p.numel() for p in model.parameters())
     return Prepared(cfg, source, batches, held_out, len(train), len(valid), vocab_data, name, n_params,
-                    layers, hidden)
+                    layers, hidden, layout)
+
+
+def grad_accum_dtype(cfg: Config) -> Optional[torch.dtype]:
+    """fp32 sums of bf16 gradients wherever a step accumulates (microbatches, pipeline chunks)."""
+    lay = cfg.layout
+    accumulates = lay.microbatches > 1 or lay.pp > 1
+    return torch.float32 if DTYPES[cfg.run.precision] != torch.float32 and accumulates else None
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The checked ``[layout]`` table as a ``Layout``, with run.seed and the gradient sums that
+    run.precision implies; a combination it refuses is a ConfigError naming the file."""
+    try:
+        return Layout.from_table(cfg.layout.__dict__, seed=cfg.run.seed, grad_accum_dtype=grad_accum_dtype(cfg))
+    except FxMegatronError as e:
+        raise ConfigError(f"{cfg.source}: [layout]: {e}") from None

@@ -52,7 +52,8 @@ from fxmegatron.placement import R, Replicate, join_shards
 from fxmegatron.schedules import ScheduleError, make_schedule
 from fxmegatron.schedules.simulate import simulate as simulate_schedule
 from fxmegatron.verify.compare import describe_users, first_divergence, rel_err
-from fxmegatron.verify.pipeline import (Layout, average_over_replicas, boundary_diagnosis, build_program,
+from fxmegatron.layout import Layout
+from fxmegatron.verify.pipeline import (average_over_replicas, boundary_diagnosis, build_program,
                                         chunk_of_node, holders, replica_weights, run_step, step_microbatches,
                                         sum_shared_grads)
 from fxmegatron.verify.simulate import Recorder, run_ranks
@@ -144,24 +145,38 @@ def _without_dropout(gm):
     return gm
 
 
+# the layout's fields that verify simulates (the rest, such as cp, fuse, compile or fp8, have no
+# simulated form: tests/test_layout.py lists them); a layout handed in keeps these alone
+VERIFIED = ("dp", "pp", "tp", "sequence_parallel", "recompute", "microbatches", "virtual_stages", "schedule",
+            "blocks_per_chunk", "seed")
+
+
 def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual_stages: int = 1,
            microbatches: int = 1, dp: int = 1, sequence_parallel: bool = False, recompute="none",
            schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None, batch=None,
-           seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4) -> VerifyReport:
+           seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4,
+           layout: Optional[Layout] = None) -> VerifyReport:
     """Check the layout dp × pp (``virtual_stages`` chunks per rank, ``microbatches`` per
     step) × ``tp`` of ``model`` on simulated ranks; see the module doc. ``example_batch``
-    is the global batch of one step, as for ``parallelize``. Returns a report when the
+    is the global batch of one step, as for ``parallelize``. ``layout``: a ``Layout`` instead
+    of the keywords (its ``VERIFIED`` fields). Returns a report when the
     parallel program is exact, raises ``VerificationError`` otherwise. ``model`` needs
     real weights (a tiny config of the model is enough)."""
     if any(p.device.type == "meta" for p in model.parameters()):
         raise VerificationError("verify runs the model: build it with real weights (a tiny config of the "
                                 "same architecture checks the same rules in seconds)")
     t0 = time.perf_counter()
-    lay = Layout(tp, pp, virtual_stages, microbatches, dp, sequence_parallel, recompute, blocks_per_chunk)
+    if layout is None:
+        lay = Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches, dp=dp,
+                     sequence_parallel=sequence_parallel, recompute=recompute, schedule=schedule,
+                     blocks_per_chunk=blocks_per_chunk, seed=seed)
+    else:
+        lay = Layout(**{n: getattr(layout, n) for n in VERIFIED})
+    tp, pp, dp, seed = lay.tp, lay.pp, lay.dp, lay.seed
+    microbatches, virtual_stages, schedule = lay.microbatches, lay.virtual_stages, lay.schedule
     sched_note = ""
-    if lay.pipelined:   # the schedule parallelize would run: its order is checked by the simulator
-        sched = make_schedule(schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), pp, virtual_stages,
-                              microbatches)
+    if lay.pipelined():   # the schedule parallelize would run: its order is checked by the simulator
+        sched = make_schedule(lay.schedule_name(), pp, virtual_stages, microbatches)
         sim = simulate_schedule(sched)
         sched_note = f"schedule {sched.name} checked (bubble {max(sim.bubble_fraction):.0%})"
     elif schedule not in (None, "gpipe", "1f1b"):
@@ -295,7 +310,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
 
 def layout_name(lay: Layout) -> str:
     parts = [f"tp={lay.tp}"]
-    parts += [f"{k}={v}" for k, v in (("pp", lay.pp), ("v", lay.v), ("m", lay.m), ("dp", lay.dp)) if v > 1]
+    parts += [f"{k}={v}" for k, v in (("pp", lay.pp), ("v", lay.virtual_stages), ("m", lay.microbatches),
+                                      ("dp", lay.dp)) if v > 1]
     if lay.sequence_parallel:
         parts.append("sp")
     if lay.recompute != "none":

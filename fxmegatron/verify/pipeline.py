@@ -1,12 +1,11 @@
 """A layout's pipeline and data-parallel parts, run on simulated tensor-parallel ranks.
 
 For each data-parallel replica and tensor-parallel rank, the rank's program is built
-as ``parallelize`` builds it: the compiler's pass list (``compiler.rank_passes``: the
+as ``parallelize`` builds it, by ``lower.rank.build_rank``: the compiler's pass list (the
 tp rewrite, dropout keyed by the replica's rank, meta shards, recompute), then, with a
-pipeline, the cut into
-pp·v chunks (``split_pipeline``), the boundary shapes (``boundary_specs``) and one
-``build_stage`` per pipeline rank (the axis names bound to the simulated group), so that a weight held by two pipeline ranks (a
-tied embedding and LM head) is two parameters, as on a cluster.
+pipeline, the cut into pp·v chunks, the boundary shapes and the stage of *every* pipeline
+rank (the axis names bound to the simulated group), so that a weight held by two pipeline
+ranks (a tied embedding and LM head) is two parameters, as on a cluster.
 
 One thread per tensor-parallel rank then runs every chunk of its program, in chunk
 order, microbatch by microbatch. What crosses a boundary is what a receive gives the
@@ -24,6 +23,7 @@ gradients of weights held by several pipeline ranks summed over them
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
@@ -33,39 +33,16 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxmegatron.capture import Captured
-from fxmegatron.compiler import COVERAGE, PLAN, groups, rank_passes
-from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import VerificationError
-from fxmegatron.lower.materialize import materialize_graph
-from fxmegatron.lower.stages import boundary_specs, build_stage, token_counter
-from fxmegatron.mesh import Axis
-from fxmegatron.passes.pipeline_split import Chunk, split_pipeline
-from fxmegatron.passes.runner import PassRunner
+from fxmegatron.layout import Layout
+from fxmegatron.lower.rank import build_rank
+from fxmegatron.lower.stages import token_counter
+from fxmegatron.passes.pipeline_split import Chunk
 from fxmegatron.passes.tensor_parallel import TPPlan
 from fxmegatron.passes.tp_coverage import Coverage
 from fxmegatron.runtime.microbatches import loss_weights, split_batch
 from fxmegatron.schedules.runtime import TensorSpec, add_weighted
 from fxmegatron.verify.simulate import Recorder
-
-
-@dataclass
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    v: int = 1
-    m: int = 1
-    dp: int = 1
-    sequence_parallel: bool = False
-    recompute: object = "none"
-    blocks_per_chunk: Optional[Sequence[int]] = None
-
-    @property
-    def pipelined(self) -> bool:
-        return self.pp > 1 or self.v > 1
-
-    @property
-    def n_chunks(self) -> int:
-        return self.pp * self.v
 
 
 @dataclass
@@ -91,7 +68,7 @@ BUILD_LOCK = threading.Lock()     # build_program's docstring says why
 def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
                   dropout: bool, with_coverage: bool) -> SimulatedRank:
     """The program of tp rank ``tp_rank`` of replica ``dp_rank``, built by the compiler's own
-    list of passes (``compiler.rank_passes``, its tp collectives on ``group_name``), then
+    list of passes (``lower.rank.build_rank``, its tp collectives on ``group_name``), then
     materialised on the CPU as each pipeline rank would (every pipeline rank's stage).
 
     Simulated ranks are threads, and every rank's graph computes on the FakeTensors of the
@@ -106,40 +83,36 @@ def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_
 def _build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
                    dropout: bool, with_coverage: bool) -> SimulatedRank:
     gm = copy.deepcopy(cap.gm)
-    axes = {"tp": Axis(lay.tp, tp_rank, group_name, tuple(range(lay.tp))), "pp": Axis(lay.pp),
-            "dp": Axis(lay.dp, dp_rank)}
-    cfg = ParallelConfig(sequence_parallel=lay.sequence_parallel, recompute=lay.recompute, microbatches=lay.m,
-                         virtual_stages=lay.v, blocks_per_chunk=lay.blocks_per_chunk, seed=seed)
-    local = PassRunner(rank_passes(cap, axes, cfg))(gm)     # meta shards of the local shapes
-    plan = local.meta[PLAN]
-    if not lay.pipelined:
-        whole = materialize_graph(local, cap, plan.param_plc, tp_rank, lay.tp, "cpu", None, seed, source=gm,
-                                  groups=groups(axes))
+    if lay.seed != seed:
+        lay = dataclasses.replace(lay, seed=seed)
+    # every pipeline rank's stage, on the CPU, from the rank's own copy of the capture's graph
+    built = build_rank(cap, lay, {"tp": tp_rank, "dp": dp_rank}, "cpu", {"tp": group_name},
+                       stages=range(lay.pp), graph=gm)
+    local, plan = built.local, built.plan
+    if built.chunks is None:
+        whole = built.whole
         if dropout:
             whole.eval()
         n_inputs = sum(1 for n in whole.graph.nodes if n.op == "placeholder")
         prog = SimulatedRank(whole, plan, {0: whole}, {0: list(range(n_inputs))}, {}, [dict(whole.named_parameters())])
     else:
-        chunks = split_pipeline(local, lay.n_chunks, blocks_per_chunk=lay.blocks_per_chunk)
-        specs = boundary_specs(chunks, [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"])
-        stages = [build_stage(chunks, lay.pp, r, cap, plan.param_plc, tp_rank, lay.tp, "cpu", None, seed, local,
-                              source=gm, groups=groups(axes)) for r in range(lay.pp)]
+        chunks, stages = built.chunks, [built.stages[r] for r in range(lay.pp)]
         modules = {k: mod for st in stages for k, mod in st.modules.items()}
         if dropout:
             for mod in modules.values():
                 mod.eval()
-        prog = SimulatedRank(local, plan, modules, {c.index: c.batch_inputs for c in chunks}, specs,
+        prog = SimulatedRank(local, plan, modules, {c.index: c.batch_inputs for c in chunks}, built.specs,
                              [st.params for st in stages], sorted(stages[0].shared), chunks)
-    if lay.m > 1 or lay.dp > 1:     # as parallelize: token weighting only where a step splits the batch
+    if lay.microbatches > 1 or lay.dp > 1:     # as parallelize: token weighting only where a step splits the batch
         prog.counter = token_counter(local, "cpu")
-    prog.coverage = local.meta[COVERAGE] if with_coverage else None
+    prog.coverage = built.coverage if with_coverage else None
     return prog
 
 
 def step_microbatches(flat: Sequence, lay: Layout, names: Sequence[str]) -> List[List[List]]:
     """[replica][microbatch] -> flat inputs: the global batch split as ``train_step`` splits it."""
     shares = split_batch(flat, lay.dp, names, f"dp={lay.dp}") if lay.dp > 1 else [list(flat)]
-    return [split_batch(share, lay.m, names) for share in shares]
+    return [split_batch(share, lay.microbatches, names) for share in shares]
 
 
 def replica_weights(counts: Optional[List[List[int]]], dp_rank: int, dp: int, m: int) -> List[float]:
