@@ -1,0 +1,201 @@
+"""``Layout`` is the one list of a layout's options: ``parallelize``'s keywords, the trainer's
+``[layout]`` keys, ``verify``'s layout, the dry-run plan's and the command line's flags are
+checked against its fields here, each surface with its deliberate exceptions listed (and
+why) below. A new option added to one surface and not to ``Layout`` (or the reverse) fails
+one of the ``test_*_agree`` tests, naming the option.
+
+Then: the validation ``Layout`` does once, and ``describe()``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+import fxmegatron
+from fxmegatron.errors import PrecisionError, ScheduleError, ShardingError
+from fxmegatron.layout import DEGREES, Layout, default_schedule
+from fxmegatron.train import config as train_config
+from fxmegatron.train.plan import PLANNED
+from fxmegatron.verify import VERIFIED
+
+FIELDS = {f.name for f in dataclasses.fields(Layout)}
+
+# ---- the deliberate exceptions, per surface ------------------------------------------------------
+# parallelize reads the degrees from the mesh; chunked is the private ``_chunked`` (compile's stage
+# folders, which need the pipeline form at pp=1)
+PARALLELIZE_NOT_KEYWORDS = set(DEGREES) | {"chunked"}
+PARALLELIZE_RENAMED = {"_chunked": "chunked"}
+# the trainer: state_dict comes from model.kind/model.path, seed is run.seed, grad_accum_dtype
+# follows from run.precision (fp32 sums of bf16 gradients), verbose/verify/min_split are
+# parallelize's checks and prints, chunked is compile's
+TRAINER_NOT_KEYS = {"state_dict", "seed", "grad_accum_dtype", "verbose", "verify", "min_split", "chunked"}
+# trainer keys that are another field's name: layout.overlap, tp_comm_overlap's first name
+TRAINER_ALIASES = {"overlap": "tp_comm_overlap"}
+# ``fxmegatron compile``: its mesh is pp × tp; seed is its own flag; run fields and chunked (compile
+# always writes chunks) have no flag
+COMPILE_NOT_FLAGS = {"dp", "cp", "state_dict", "verbose", "verify", "min_split", "chunked"}
+COMPILE_OTHER_FLAGS = {"factory", "out"}
+# verify simulates tp, pp and dp ranks in one process on the CPU: cp, the kernels (fuse, compile),
+# fp8 (which eager does not run) and tp_comm_overlap have no simulated form; the run fields but
+# seed are parallelize's
+VERIFY_NOT_SIMULATED = {"cp", "cp_attention", "fuse", "compile", "tp_comm_overlap", "tp_comm_transport",
+                        "precision", "fp8_recipe", "fp8_policy", "grad_accum_dtype", "chunked", "state_dict",
+                        "verbose", "verify", "min_split"}
+VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}
+# the dry-run plan counts what a rank holds and saves: the kernels and communication options do
+# not change it; the run fields are parallelize's
+PLAN_LEFT_OUT = {"fuse", "compile", "tp_comm_overlap", "tp_comm_transport", "precision", "fp8_recipe",
+                 "fp8_policy", "chunked", "state_dict", "seed", "verbose", "verify", "min_split"}
+PLAN_OTHER_KEYWORDS = {"param_dtype", "optimizer", "device", "picture", "layout"}
+
+
+def _diff(surface: set, expected: set, what: str) -> str:
+    extra, missing = sorted(surface - expected), sorted(expected - surface)
+    return f"{what}: not Layout fields {extra}; Layout fields missing {missing}"
+
+
+def test_parallelize_keywords_agree():
+    params = inspect.signature(fxmegatron.parallelize).parameters
+    kw = {PARALLELIZE_RENAMED.get(n, n) for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    expected = FIELDS - PARALLELIZE_NOT_KEYWORDS | {"chunked"}
+    assert kw == expected, _diff(kw, expected, "parallelize's keywords")
+    # and with the same defaults
+    for f in dataclasses.fields(Layout):
+        name = "_chunked" if f.name == "chunked" else f.name
+        if name in params:
+            assert params[name].default == f.default, f"parallelize({name}=) default differs from Layout's"
+
+
+def test_layout_options_are_parallelize_keywords():
+    params = inspect.signature(fxmegatron.parallelize).parameters
+    assert set(Layout().options()) <= set(params)
+
+
+def test_trainer_keys_agree():
+    keys = {TRAINER_ALIASES.get(k.name, k.name) for k in train_config.KEYS if k.section == "layout"}
+    expected = FIELDS - TRAINER_NOT_KEYS
+    assert keys == expected, _diff(keys, expected, "the trainer's [layout] keys")
+
+
+def test_compile_flags_agree():
+    ap = argparse.ArgumentParser()
+    Layout.add_arguments(ap, degrees=("pp", "tp"))
+    flags = {a.dest for a in ap._actions if a.dest != "help"}
+    expected = FIELDS - COMPILE_NOT_FLAGS - {"seed"}
+    assert flags == expected, _diff(flags, expected, "Layout.add_arguments's flags")
+    # and fxmegatron compile's parser is those, with its own few
+    from fxmegatron import cli
+    source = inspect.getsource(cli.compile_main)
+    assert "Layout.add_arguments(ap" in source and "Layout.from_args(args" in source
+
+
+def test_verify_fields_agree():
+    params = inspect.signature(fxmegatron.verify).parameters
+    kw = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - VERIFY_OTHER_KEYWORDS
+    expected = FIELDS - VERIFY_NOT_SIMULATED
+    assert kw == expected, _diff(kw, expected, "verify's keywords")
+    assert set(VERIFIED) == expected
+
+
+def test_plan_fields_agree():
+    from fxmegatron.train.plan import plan_run
+    params = inspect.signature(plan_run).parameters
+    kw = set(list(params)[2:]) - PLAN_OTHER_KEYWORDS
+    expected = FIELDS - PLAN_LEFT_OUT
+    assert kw == expected, _diff(kw, expected, "plan_run's keywords")
+    assert set(PLANNED) == expected
+
+
+def test_every_exception_names_a_field():
+    for listed in (PARALLELIZE_NOT_KEYWORDS, TRAINER_NOT_KEYS, COMPILE_NOT_FLAGS, VERIFY_NOT_SIMULATED,
+                   PLAN_LEFT_OUT, set(TRAINER_ALIASES.values())):
+        assert listed <= FIELDS, sorted(listed - FIELDS)
+
+
+# ---- the constructors ---------------------------------------------------------------------------------
+def test_from_table_reads_the_trainer_layout():
+    cfg = train_config.from_dict({"run": {"steps": 1}, "data": {"train": "x", "seq_len": 8, "global_batch": 8},
+                                  "layout": {"tp": 2, "sequence_parallel": True, "overlap": 2, "pp": 2,
+                                             "blocks_per_chunk": [1, 1], "microbatches": 2}})
+    lay = Layout.from_table(cfg.layout.__dict__, seed=3)
+    assert (lay.tp, lay.pp, lay.tp_comm_overlap, lay.blocks_per_chunk, lay.seed) == (2, 2, 2, (1, 1), 3)
+    assert lay.schedule is None       # "" in TOML
+    with pytest.raises(ShardingError, match="one option under two names"):
+        Layout.from_table({**cfg.layout.__dict__, "tp_comm_overlap": 4})
+
+
+def test_from_args_reads_the_flags():
+    ap = argparse.ArgumentParser()
+    Layout.add_arguments(ap)
+    lay = Layout.from_args(ap.parse_args(["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "2",
+                                          "--blocks-per-chunk", "2,1", "--compile", "--grad-accum-dtype",
+                                          "float32"]))
+    assert (lay.tp, lay.sequence_parallel, lay.tp_comm_overlap, lay.blocks_per_chunk, lay.compile,
+            lay.grad_accum_dtype) == (2, True, 2, (2, 1), True, torch.float32)
+    assert Layout.from_args(ap.parse_args([])) == Layout()
+
+
+def test_from_axes_takes_the_mesh_degrees():
+    from fxmegatron.mesh import Axis
+    lay = Layout.from_axes({"dp": Axis(2), "pp": Axis(1), "tp": Axis(4), "dp_cp": Axis(2)}, microbatches=2)
+    assert (lay.dp, lay.pp, lay.cp, lay.tp, lay.microbatches) == (2, 1, 1, 4, 2)
+    assert Layout.from_mesh(None) == Layout()
+
+
+# ---- validation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options, error, match", [
+    ({"tp_comm_overlap": 2}, ShardingError, r"tp_comm_overlap=2.*needs sequence_parallel=True"),
+    ({"sequence_parallel": True, "tp_comm_overlap": -1}, ShardingError, r">= 0"),
+    ({"tp_comm_transport": "nvlink"}, ShardingError, r"'copy_engine'"),
+    ({"microbatches": 0}, ScheduleError, r"microbatches=0: must be >= 1"),
+    ({"precision": "fp16"}, PrecisionError, r"precision='fp16'"),
+    ({"precision": "fp8", "verify": True}, PrecisionError, r"verify compares"),
+    ({"precision": "fp8", "sequence_parallel": True, "tp_comm_overlap": 2}, PrecisionError, r"no FP8 form"),
+    ({"cp_attention": "p2p"}, ShardingError, r"'ring' or 'allgather'"),
+    ({"tp": 0}, ShardingError, r"tp=0.*>= 1"),
+    ({"pp": True}, ShardingError, r"pp=True"),
+])
+def test_validation(options, error, match):
+    with pytest.raises(error, match=match):
+        Layout(**options)
+
+
+def test_unknown_recompute_names_itself():
+    with pytest.raises(Exception, match="sometimes"):
+        Layout(recompute="sometimes")
+
+
+def test_schedule_default_and_check():
+    assert default_schedule(1) == "1f1b" and default_schedule(2) == "interleaved"
+    assert Layout(pp=2, microbatches=2).schedule_name() == "1f1b"
+    assert Layout(pp=2, virtual_stages=2, microbatches=2).schedule_name() == "interleaved"
+    assert Layout().schedule_name() == "" and Layout().make_schedule() is None
+    assert Layout(pp=2, microbatches=4, schedule="gpipe").make_schedule().name == "gpipe"
+    with pytest.raises(ScheduleError, match="needs a pipeline"):
+        Layout(schedule="interleaved").make_schedule()
+
+
+def test_blocks_per_chunk_becomes_a_tuple_and_the_layout_is_frozen():
+    lay = Layout(pp=2, blocks_per_chunk=[1, 2])
+    assert lay.blocks_per_chunk == (1, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lay.tp = 2
+
+
+# ---- describe -----------------------------------------------------------------------------------------
+def test_describe():
+    assert Layout().describe() == "dp 1 × pp 1 × cp 1 × tp 1 = 1 ranks"
+    lay = Layout(dp=2, pp=2, tp=2, sequence_parallel=True, recompute="full", microbatches=4, seed=7,
+                 grad_accum_dtype=torch.float32)
+    assert lay.describe() == ("dp 2 × pp 2 × cp 1 × tp 2 = 8 ranks; sequence_parallel; recompute full; "
+                              "microbatches 4; grad_accum_dtype float32; schedule 1f1b")
+    assert str(lay) == f"Layout({lay.describe()})"
+    # the run's fields (seed, state_dict, ...) are not the layout's: not described
+    assert "seed" not in lay.describe()
+    fp8 = Layout(precision="fp8")
+    assert fp8.describe() == "dp 1 × pp 1 × cp 1 × tp 1 = 1 ranks; precision fp8"
+    assert "fp8_policy attention" in Layout(precision="fp8", fp8_policy="attention").describe()
