@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxmegatron
+from fxmegatron.layout import Layout as FxLayout
 from e2e.master_weights import full_tensor, local_tensor
 from e2e.optimizers import make_optimizer
 
@@ -168,17 +169,22 @@ def build_native(lay, spec, dev, dtype, batch, meshes, **_):
                      [model])
 
 
+def fx_layout(lay, ref_state=None) -> FxLayout:
+    """An fx row (``e2e.layouts.Layout``, which names the row) as fxmegatron's ``Layout``: what
+    ``parallelize`` is given, checked before a mesh is built."""
+    return FxLayout(dp=lay.dp, pp=lay.pp, tp=lay.tp, sequence_parallel=lay.sp, recompute=lay.recompute,
+                    microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
+                    compile=lay.compile, tp_comm_overlap=lay.overlap, tp_comm_transport=lay.transport,
+                    state_dict=ref_state, grad_accum_dtype=torch.float32 if lay.fp32_accum else None,
+                    **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}))
+
+
 def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
     from fxmegatron.optim import clip_coefficient
     from fxmegatron.runtime.grad_norm import scale_grads_
     mesh = meshes(dp=lay.dp, pp=lay.pp, tp=lay.tp)
     model = spec.meta(dtype)
-    pm = fxmegatron.parallelize(model, mesh, batch, sequence_parallel=lay.sp, recompute=lay.recompute,
-                                microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
-                                compile=lay.compile, tp_comm_overlap=lay.overlap,
-                                tp_comm_transport=lay.transport, state_dict=ref_state,
-                                grad_accum_dtype=torch.float32 if lay.fp32_accum else None,
-                                **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}))
+    pm = fxmegatron.parallelize(model, mesh, batch, **fx_layout(lay, ref_state).options())
     params = list(pm.parameters())
     # pm.clip_grad_norm_(1.0) in two halves: the norm, then the scaling
     return Job(params, lambda: pm.train_step(batch), pm.grad_norm,
