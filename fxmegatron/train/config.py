@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from fxmegatron.errors import ConfigError
-from fxmegatron.layout import PRECISIONS
+from fxmegatron.layout import CP_ATTENTIONS, PRECISIONS, RECOMPUTE_MODES, SCHEDULE_NAMES
 from fxmegatron.ops.fp8 import RECIPES
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
 
@@ -100,14 +100,14 @@ KEYS: List[Key] = [
     _k("layout", "cp", INT, 1, "context parallelism: the sequence split over cp ranks (each holds two "
        "load-balanced chunks of 2·cp; data.seq_len must be divisible by 2·cp; no dropout)", minimum=1),
     _k("layout", "cp_attention", STR, "ring", "cp > 1: how attention exchanges keys and values, ring (P2P "
-       "around the cp ranks) or allgather", choices=("ring", "allgather")),
+       "around the cp ranks) or allgather", choices=CP_ATTENTIONS),
     _k("layout", "tp", INT, 1, "tensor-parallel ranks", minimum=1),
     _k("layout", "sequence_parallel", BOOL, False, "norms, dropout and residuals on sequence shards (tp > 1)"),
-    _k("layout", "recompute", STR, "none", "activation recomputation", choices=("none", "selective", "full")),
+    _k("layout", "recompute", STR, "none", "activation recomputation", choices=RECOMPUTE_MODES),
     _k("layout", "virtual_stages", INT, 1, "model chunks per pipeline rank (interleaved 1F1B)", minimum=1),
     _k("layout", "microbatches", INT, 1, "microbatches per step and data-parallel rank", minimum=1),
     _k("layout", "schedule", STR, "", "gpipe, 1f1b or interleaved (empty: 1f1b, interleaved with "
-       "virtual_stages > 1)", choices=("", "gpipe", "1f1b", "interleaved")),
+       "virtual_stages > 1)", choices=("",) + SCHEDULE_NAMES),
     _k("layout", "fuse", BOOL, False, "fxmegatron's generated Triton kernels for elementwise chains"),
     _k("layout", "compile", BOOL, False, "torch.compile each rank's graph (not with fuse)"),
     _k("layout", "tp_comm_overlap", INT, 0, "with sequence_parallel: cut each tensor-parallel all-gather and "
