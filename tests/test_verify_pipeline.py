@@ -65,13 +65,14 @@ def test_unweighted_microbatch_losses_are_caught(monkeypatch):
 
 def test_a_boundary_without_its_gradient_is_named(monkeypatch):
     """The planted fault: the split says no gradient flows back from chunk 2 to chunk 1."""
-    real = vpipe.split_pipeline
+    rank = importlib.import_module("fxmegatron.lower.rank")     # where verify's builds cut the pipeline
+    real = rank.split_pipeline
 
     def split(*args, **kwargs):
         chunks = real(*args, **kwargs)
         chunks[1].boundary_grad = [False] * len(chunks[1].boundary_grad)
         return chunks
-    monkeypatch.setattr(vpipe, "split_pipeline", split)
+    monkeypatch.setattr(rank, "split_pipeline", split)
     model, batch = _case("llama")
     with pytest.raises(VerificationError) as err:
         fxmegatron.verify(model, batch, **FULL)
