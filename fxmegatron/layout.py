@@ -22,7 +22,7 @@ import torch
 
 from fxmegatron.errors import PrecisionError, ShardingError
 from fxmegatron.lower.torch_compile import check_compile_options
-from fxmegatron.ops.fp8 import recipe_of
+from fxmegatron.ops.fp8 import RECIPES, recipe_of
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
 from fxmegatron.passes.fp8 import FP8Policy
 from fxmegatron.passes.recompute import RecomputePolicy
@@ -43,7 +43,7 @@ TOML_EMPTY = {"schedule": "", "blocks_per_chunk": []}
 # options without a command-line flag: chunked is compile's own (it always writes chunks)
 CLI_LEFT_OUT = ("chunked",)
 CLI_CHOICES = {"recompute": RECOMPUTE_MODES, "schedule": SCHEDULE_NAMES, "tp_comm_transport": TRANSPORTS,
-               "cp_attention": CP_ATTENTIONS, "precision": PRECISIONS}
+               "cp_attention": CP_ATTENTIONS, "precision": PRECISIONS, "fp8_recipe": tuple(sorted(RECIPES))}
 
 
 def _f(kind: str, default, **meta):
@@ -159,12 +159,14 @@ class Layout:
         return cls(**values)
 
     @classmethod
-    def add_arguments(cls, parser, degrees: Sequence[str] = DEGREES) -> None:
-        """A flag per layout option (``--sequence-parallel``, ``--tp-comm-overlap N``, ...) and per
-        degree in ``degrees`` on an argparse parser; ``from_args`` reads them back."""
+    def add_arguments(cls, parser, degrees: Sequence[str] = DEGREES, options: Optional[Sequence[str]] = None) -> None:
+        """A flag per layout option (``--sequence-parallel``, ``--tp-comm-overlap N``, ...; only
+        those in ``options`` if given) and per degree in ``degrees`` on an argparse parser;
+        ``from_args`` reads them back."""
         for f in dataclasses.fields(cls):
             kind = f.metadata["kind"]
-            if (kind == "degree" and f.name not in degrees) or kind == "run" or f.name in CLI_LEFT_OUT:
+            if (kind == "degree" and f.name not in degrees) or kind == "run" or f.name in CLI_LEFT_OUT or \
+                    (kind == "option" and options is not None and f.name not in options):
                 continue
             flag = "--" + f.name.replace("_", "-")
             if f.default is False and f.name != "compile":

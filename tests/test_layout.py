@@ -35,10 +35,15 @@ PARALLELIZE_RENAMED = {"_chunked": "chunked"}
 TRAINER_NOT_KEYS = {"state_dict", "seed", "grad_accum_dtype", "verbose", "verify", "min_split", "chunked"}
 # trainer keys that are another field's name: layout.overlap, tp_comm_overlap's first name
 TRAINER_ALIASES = {"overlap": "tp_comm_overlap"}
-# ``fxmegatron compile``: its mesh is pp × tp; seed is its own flag; run fields and chunked (compile
-# always writes chunks) have no flag
-COMPILE_NOT_FLAGS = {"dp", "cp", "state_dict", "verbose", "verify", "min_split", "chunked"}
-COMPILE_OTHER_FLAGS = {"factory", "out"}
+# the command line's flags (``Layout.add_arguments``): run fields and chunked (compile always writes
+# chunks) have none; seed is a flag of its own where a command takes it
+FLAGS_NOT = {"state_dict", "seed", "verbose", "verify", "min_split", "chunked"}
+# ``fxmegatron compile`` (cli.FOLDER_OPTIONS): its mesh is pp × tp, and a stage folder is the
+# generated source of plain ATen chunks: fused kernels, torch.compile, FP8, tp_comm_overlap's
+# merged linears, cp and the gradient sums' dtype have no written form
+COMPILE_NOT_FLAGS = FLAGS_NOT | {"dp", "cp", "cp_attention", "fuse", "compile", "tp_comm_overlap",
+                                 "tp_comm_transport", "precision", "fp8_recipe", "fp8_policy", "grad_accum_dtype"}
+COMPILE_OTHER_FLAGS = {"factory", "out", "seed"}
 # verify simulates tp, pp and dp ranks in one process on the CPU: cp, the kernels (fuse, compile),
 # fp8 (which eager does not run) and tp_comm_overlap have no simulated form; the run fields but
 # seed are parallelize's
@@ -55,7 +60,8 @@ PLAN_OTHER_KEYWORDS = {"param_dtype", "optimizer", "device", "picture", "layout"
 
 def _diff(surface: set, expected: set, what: str) -> str:
     extra, missing = sorted(surface - expected), sorted(expected - surface)
-    return f"{what}: not Layout fields {extra}; Layout fields missing {missing}"
+    return (f"{what}: has {extra}, which are not Layout fields (or are listed as this surface's exceptions); "
+            f"lacks the Layout fields {missing}")
 
 
 def test_parallelize_keywords_agree():
@@ -81,16 +87,31 @@ def test_trainer_keys_agree():
     assert keys == expected, _diff(keys, expected, "the trainer's [layout] keys")
 
 
-def test_compile_flags_agree():
+def _flags(parser) -> set:
+    return {a.dest for a in parser._actions if a.dest != "help"}
+
+
+def test_flags_agree():
     ap = argparse.ArgumentParser()
-    Layout.add_arguments(ap, degrees=("pp", "tp"))
-    flags = {a.dest for a in ap._actions if a.dest != "help"}
-    expected = FIELDS - COMPILE_NOT_FLAGS - {"seed"}
-    assert flags == expected, _diff(flags, expected, "Layout.add_arguments's flags")
-    # and fxmegatron compile's parser is those, with its own few
+    Layout.add_arguments(ap)
+    expected = FIELDS - FLAGS_NOT
+    assert _flags(ap) == expected, _diff(_flags(ap), expected, "Layout.add_arguments's flags")
+
+
+def test_compile_flags_agree(monkeypatch):
     from fxmegatron import cli
-    source = inspect.getsource(cli.compile_main)
-    assert "Layout.add_arguments(ap" in source and "Layout.from_args(args" in source
+    seen = {}
+
+    def parse(self, argv=None, namespace=None):       # the parser compile_main builds, not run
+        seen["flags"] = _flags(self)
+        raise SystemExit(0)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+    with pytest.raises(SystemExit):
+        cli.compile_main([])
+    flags = seen["flags"] - COMPILE_OTHER_FLAGS
+    expected = FIELDS - COMPILE_NOT_FLAGS
+    assert flags == expected, _diff(flags, expected, "fxmegatron compile's flags")
+    assert set(cli.FOLDER_OPTIONS) == expected - set(DEGREES)
 
 
 def test_verify_fields_agree():
@@ -111,7 +132,7 @@ def test_plan_fields_agree():
 
 
 def test_every_exception_names_a_field():
-    for listed in (PARALLELIZE_NOT_KEYWORDS, TRAINER_NOT_KEYS, COMPILE_NOT_FLAGS, VERIFY_NOT_SIMULATED,
+    for listed in (PARALLELIZE_NOT_KEYWORDS, TRAINER_NOT_KEYS, FLAGS_NOT, COMPILE_NOT_FLAGS, VERIFY_NOT_SIMULATED,
                    PLAN_LEFT_OUT, set(TRAINER_ALIASES.values())):
         assert listed <= FIELDS, sorted(listed - FIELDS)
 
