@@ -220,3 +220,34 @@ def test_describe():
     fp8 = Layout(precision="fp8")
     assert fp8.describe() == "dp 1 × pp 1 × cp 1 × tp 1 = 1 ranks; precision fp8"
     assert "fp8_policy attention" in Layout(precision="fp8", fp8_policy="attention").describe()
+
+
+def test_a_layout_the_trainer_refuses_is_a_config_error():
+    from fxmegatron.errors import ConfigError
+    from fxmegatron.train.setup import layout_of
+    raw = {"run": {"steps": 1, "precision": "bf16"}, "data": {"train": "x", "seq_len": 8, "global_batch": 8}}
+    cfg = train_config.from_dict({**raw, "layout": {"tp": 2, "tp_comm_overlap": 2}}, where="run.toml")
+    with pytest.raises(ConfigError, match=r"run.toml: \[layout\]: .*needs sequence_parallel=True"):
+        layout_of(cfg)
+    cfg = train_config.from_dict({**raw, "layout": {"pp": 2, "microbatches": 2, "precision": "fp8",
+                                                    "fp8_policy": ["mlp"]}}, where="run.toml")
+    lay = layout_of(cfg)
+    assert lay.precision == "fp8" and lay.grad_accum_dtype == torch.float32 and lay.seed == 0
+    with pytest.raises(ConfigError, match="blocks_per_chunk must be a list of whole numbers"):
+        train_config.from_dict({**raw, "layout": {"blocks_per_chunk": ["a"]}})
+
+
+def test_build_rank_plans_or_builds_the_stages_asked_for():
+    from fxmegatron.capture import capture
+    from fxmegatron.lower.rank import build_rank
+    from fxmegatron.models.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=0.0))
+    ids = torch.randint(0, 32, (2, 8))
+    lay = Layout(pp=2, tp=2, microbatches=1)
+    planned = build_rank(capture(model, (ids, ids)), lay, {"tp": 1}, None, {})
+    assert len(planned.chunks) == 2 and not planned.stages and planned.whole is None
+    built = build_rank(capture(model, (ids, ids)), lay, {"tp": 1, "pp": 1}, "cpu", {"tp": ""})
+    assert list(built.stages) == [1] and set(built.specs) == {0}
+    whole = build_rank(capture(model, (ids, ids)), Layout(tp=2), {"tp": 0}, "cpu", {"tp": ""})
+    assert whole.chunks is None and whole.whole is not None and "materialize_s" in whole.timings
