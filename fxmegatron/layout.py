@@ -55,8 +55,10 @@ def default_schedule(virtual_stages: int) -> str:
     return "interleaved" if virtual_stages > 1 else "1f1b"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
+    # keywords only: verify's former Layout took (tp, pp, v, m, dp, ...) by position, and this
+    # one's fields are in another order; a positional call fails rather than mean something else
     dp: int = _f("degree", 1)
     pp: int = _f("degree", 1)
     cp: int = _f("degree", 1)

@@ -200,11 +200,13 @@ def test_schedule_default_and_check():
         Layout(schedule="interleaved").make_schedule()
 
 
-def test_blocks_per_chunk_becomes_a_tuple_and_the_layout_is_frozen():
+def test_blocks_per_chunk_becomes_a_tuple_and_the_layout_is_frozen_and_keywords_only():
     lay = Layout(pp=2, blocks_per_chunk=[1, 2])
     assert lay.blocks_per_chunk == (1, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         lay.tp = 2
+    with pytest.raises(TypeError):
+        Layout(2, 1)      # verify's former Layout(tp, pp, ...): no silent dp=2
 
 
 # ---- describe -----------------------------------------------------------------------------------------
