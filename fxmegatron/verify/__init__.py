@@ -55,7 +55,8 @@ from fxmegatron.verify.compare import describe_users, first_divergence, rel_err
 from fxmegatron.verify.pipeline import (Layout, average_over_replicas, boundary_diagnosis, build_program,
                                         chunk_of_node, holders, replica_weights, run_step, step_microbatches,
                                         sum_shared_grads)
-from fxmegatron.verify.simulate import Recorder, run_ranks
+from fxmegatron.verify.context import cp_view, sum_over_cp
+from fxmegatron.verify.simulate import Recorder, run_grid
 
 aten = torch.ops.aten
 
@@ -147,9 +148,11 @@ def _without_dropout(gm):
 def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual_stages: int = 1,
            microbatches: int = 1, dp: int = 1, sequence_parallel: bool = False, recompute="none",
            schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None, batch=None,
-           seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4) -> VerifyReport:
+           seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4, cp: int = 1,
+           cp_attention: str = "ring") -> VerifyReport:
     """Check the layout dp × pp (``virtual_stages`` chunks per rank, ``microbatches`` per
-    step) × ``tp`` of ``model`` on simulated ranks; see the module doc. ``example_batch``
+    step) × ``cp`` (context parallelism, its attention by ``cp_attention``) × ``tp`` of
+    ``model`` on simulated ranks; see the module doc. ``example_batch``
     is the global batch of one step, as for ``parallelize``. Returns a report when the
     parallel program is exact, raises ``VerificationError`` otherwise. ``model`` needs
     real weights (a tiny config of the model is enough)."""
@@ -157,7 +160,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         raise VerificationError("verify runs the model: build it with real weights (a tiny config of the "
                                 "same architecture checks the same rules in seconds)")
     t0 = time.perf_counter()
-    lay = Layout(tp, pp, virtual_stages, microbatches, dp, sequence_parallel, recompute, blocks_per_chunk)
+    lay = Layout(tp, pp, virtual_stages, microbatches, dp, sequence_parallel, recompute, blocks_per_chunk, cp=cp,
+                 cp_attention=cp_attention)
     sched_note = ""
     if lay.pipelined:   # the schedule parallelize would run: its order is checked by the simulator
         sched = make_schedule(schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), pp, virtual_stages,
@@ -206,11 +210,12 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
             "as the model does (check the example batch: inputs that alias each other, inputs the model "
             "ignores, Python values that are constants in the graph)")
 
-    programs = [[None] * tp for _ in range(dp)]
+    programs = [[None] * (cp * tp) for _ in range(dp)]     # by replica, then cp rank · tp + tp rank
 
-    def rank_body(d: int, rank: int, group_name: str):
-        prog = build_program(cap, lay, rank, group_name, d, seed, dropout, d == 0 and rank == 0)
-        programs[d][rank] = prog
+    def rank_body(d: int, c: int, rank: int, group_name: str, cp_group: str):
+        prog = build_program(cap, lay, rank, group_name, d, seed, dropout, d == 0 and c == 0 and rank == 0, c,
+                             cp_group)
+        programs[d][c * tp + rank] = prog
         # the counts of every replica's microbatches: what the all-reduce over dp adds up
         counts = None if prog.counter is None else [[prog.counter(mb) for mb in rep] for rep in micro]
         weights = replica_weights(counts, d, dp, microbatches)
@@ -218,8 +223,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         out["weights"] = weights
         return out
 
-    # the replicas one after the other, each with its own simulated tp group
-    results = [run_ranks(tp, functools.partial(rank_body, d)) for d in range(dp)]
+    # the replicas one after the other, each with its own simulated tp and cp groups
+    results = [run_grid(cp, tp, functools.partial(rank_body, d)) for d in range(dp)]
     prog0 = programs[0][0]
     plan = prog0.plan
 
@@ -230,7 +235,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     # per tp rank, per pipeline rank: the gradients after GradSync and the shared-weight sum
     final = []
     for t in range(tp):
-        g = average_over_replicas([results[d][t]["grads"] for d in range(dp)], programs[0][t].params)
+        g = average_over_replicas([sum_over_cp([results[d][c * tp + t]["grads"] for c in range(cp)])
+                                   for d in range(dp)], programs[0][t].params)
         if pp > 1:
             sum_shared_grads(g, programs[0][t].shared)
         final.append(g)
@@ -263,7 +269,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         head = (f"verify {layout} of {type(model).__name__}: the parallel program differs from the model "
                 f"(loss {loss.item():.6f}, the model's {loss_eager.item():.6f})")
         div = first_divergence(ref_gm.graph, rec.values, prog0.local.graph, [r["values"] for r in results[0]],
-                               max(loss_rtol, 1e-4))
+                               max(loss_rtol, 1e-4), cp_view(prog0.local, tp))
         if div is not None:
             c = chunk_of_node(prog0).get(div.node)
             where = [f"chunk {c} on pp rank {c % pp}"] if c is not None else []
@@ -295,7 +301,10 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
 
 def layout_name(lay: Layout) -> str:
     parts = [f"tp={lay.tp}"]
-    parts += [f"{k}={v}" for k, v in (("pp", lay.pp), ("v", lay.v), ("m", lay.m), ("dp", lay.dp)) if v > 1]
+    parts += [f"{k}={v}" for k, v in (("pp", lay.pp), ("v", lay.v), ("m", lay.m), ("dp", lay.dp), ("cp", lay.cp))
+              if v > 1]
+    if lay.cp > 1 and lay.cp_attention != "ring":
+        parts.append(f"cp_attention={lay.cp_attention}")
     if lay.sequence_parallel:
         parts.append("sp")
     if lay.recompute != "none":

@@ -58,6 +58,8 @@ class Layout:
     sequence_parallel: bool = False
     recompute: object = "none"
     blocks_per_chunk: Optional[Sequence[int]] = None
+    cp: int = 1
+    cp_attention: str = "ring"
 
     @property
     def pipelined(self) -> bool:
@@ -89,7 +91,7 @@ BUILD_LOCK = threading.Lock()     # build_program's docstring says why
 
 
 def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
-                  dropout: bool, with_coverage: bool) -> SimulatedRank:
+                  dropout: bool, with_coverage: bool, cp_rank: int = 0, cp_group: str = "") -> SimulatedRank:
     """The program of tp rank ``tp_rank`` of replica ``dp_rank``, built by the compiler's own
     list of passes (``compiler.rank_passes``, its tp collectives on ``group_name``), then
     materialised on the CPU as each pipeline rank would (every pipeline rank's stage).
@@ -100,16 +102,17 @@ def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_
     (``fake_mode.in_kernel_invocation must be False``) about once in a dozen runs. Builds
     therefore take turns (``BUILD_LOCK``); the ranks' programs still run side by side."""
     with BUILD_LOCK:
-        return _build_program(cap, lay, tp_rank, group_name, dp_rank, seed, dropout, with_coverage)
+        return _build_program(cap, lay, tp_rank, group_name, dp_rank, seed, dropout, with_coverage, cp_rank, cp_group)
 
 
 def _build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
-                   dropout: bool, with_coverage: bool) -> SimulatedRank:
+                   dropout: bool, with_coverage: bool, cp_rank: int, cp_group: str) -> SimulatedRank:
     gm = copy.deepcopy(cap.gm)
     axes = {"tp": Axis(lay.tp, tp_rank, group_name, tuple(range(lay.tp))), "pp": Axis(lay.pp),
-            "dp": Axis(lay.dp, dp_rank)}
+            "dp": Axis(lay.dp, dp_rank), "cp": Axis(lay.cp, cp_rank, cp_group, tuple(range(lay.cp)))}
     cfg = ParallelConfig(sequence_parallel=lay.sequence_parallel, recompute=lay.recompute, microbatches=lay.m,
-                         virtual_stages=lay.v, blocks_per_chunk=lay.blocks_per_chunk, seed=seed)
+                         virtual_stages=lay.v, blocks_per_chunk=lay.blocks_per_chunk, seed=seed,
+                         cp_attention=lay.cp_attention)
     local = PassRunner(rank_passes(cap, axes, cfg))(gm)     # meta shards of the local shapes
     plan = local.meta[PLAN]
     if not lay.pipelined:
