@@ -118,6 +118,7 @@ def _build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp
     if not lay.pipelined:
         whole = materialize_graph(local, cap, plan.param_plc, tp_rank, lay.tp, "cpu", None, seed, source=gm,
                                   groups=groups(axes))
+        whole.meta.update(local.meta)       # the plans, for the comparison
         if dropout:
             whole.eval()
         n_inputs = sum(1 for n in whole.graph.nodes if n.op == "placeholder")
