@@ -5,7 +5,7 @@
     fxmegatron export CHECKPOINT OUTDIR      (a trainer checkpoint -> a Hugging Face folder)
 
     fxmegatron verify --factory FILE.py:FUNCTION --tp 2,4 [--sequence-parallel both] [--recompute full]
-                      [--pp 1,2 --virtual-stages 2 --microbatches 4 --dp 2]
+                      [--pp 1,2 --virtual-stages 2 --microbatches 4 --dp 2] [--cp 2 [--cp-attention allgather]]
     fxmegatron compile --factory FILE.py:FUNCTION --pp 2 --tp 2 --microbatches 4 --out FOLDER
     torchrun --nproc_per_node 4 -m fxmegatron.launch FOLDER --data text.txt --steps 100
 
@@ -92,6 +92,8 @@ def verify_main(argv):
     ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline chunks per pipeline rank")
     ap.add_argument("--microbatches", type=int, default=1, help="microbatches per step")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (the example batch is the global one)")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (each holds two chunks of the sequence)")
+    ap.add_argument("--cp-attention", default="ring", choices=["ring", "allgather"])
     ap.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"])
     ap.add_argument("--sequence-parallel", default="off", choices=["off", "on", "both"])
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
@@ -111,11 +113,13 @@ def verify_main(argv):
     for pp in [int(p) for p in args.pp.split(",")]:
         for tp in [int(t) for t in args.tp.split(",")]:
             for sp in sps:
-                lay = Layout(tp, pp, args.virtual_stages, args.microbatches, args.dp, sp, args.recompute)
+                lay = Layout(tp, pp, args.virtual_stages, args.microbatches, args.dp, sp, args.recompute, cp=args.cp,
+                             cp_attention=args.cp_attention)
                 try:
                     print(verify(copy.deepcopy(model), batch, tp=tp, pp=pp, virtual_stages=args.virtual_stages,
                                  microbatches=args.microbatches, dp=args.dp, schedule=args.schedule,
-                                 sequence_parallel=sp, recompute=args.recompute, seed=args.seed), flush=True)
+                                 sequence_parallel=sp, recompute=args.recompute, seed=args.seed, cp=args.cp,
+                                 cp_attention=args.cp_attention), flush=True)
                 except FxMegatronError as exc:
                     failed += 1
                     print(f"FAILED {layout_name(lay)}: {type(exc).__name__}: {exc}", flush=True)

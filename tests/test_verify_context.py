@@ -24,7 +24,7 @@ def _model_and_batch(name):
     return fam.build(), make_batch(fam, 0)
 
 
-CELLS = [("gpt", 1, False, "ring"), ("gpt", 2, True, "ring"), ("llama", 1, False, "ring"),
+CELLS = [("gpt", 2, True, "ring"), ("llama", 1, False, "ring"),
          ("llama", 2, True, "ring"), ("llama", 2, False, "allgather")]
 
 
@@ -35,6 +35,18 @@ def test_cp_layouts_are_exact(name, tp, sp, variant):
     report = fxmegatron.verify(model, batch, cp=2, tp=tp, sequence_parallel=sp, cp_attention=variant)
     assert "cp=2" in report.layout, report.layout
     assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * abs(report.loss_ref), report
+
+
+def test_cli_checks_cp_layouts(capsys):
+    from fxmegatron.cli import main as cli_main
+    threads = torch.get_num_threads()    # the CLI sets its own; the rest of the session keeps ours
+    try:
+        rc = cli_main(["verify", "--factory", "tests/factories/gpt_small.py:build", "--tp", "2", "--cp", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "verify tp=2 cp=2: exact" in out, out
 
 
 @pytest.mark.parametrize("dim,inner", [(1, 1), (0, 1), (2, 3)])
