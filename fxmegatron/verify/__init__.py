@@ -28,6 +28,11 @@ wrong only up to some chunk, that chunk's boundary). The pipeline schedule itsel
 checked by ``schedules.simulate``. Models with dropout are compared with dropout off
 (eval-mode keys); the masks themselves are keyed by element index and cannot depend on
 the layout.
+
+With context parallelism (``cp``), every cp × tp rank of a replica runs (``run_grid``: a
+simulated tp group per cp rank, a cp group per tp rank, ``cp_attention``'s exchanges between
+them), gradients are summed over cp before the average over dp, and node values are joined
+over cp by their context-parallel placement (``context.py``) before the comparison.
 """
 from __future__ import annotations
 
