@@ -5,8 +5,9 @@ each rank's graph is bound to the group name ``sim:<group>:<rank>``, and its f/g
 gathers, scatters and the vocab-parallel loss exchange tensors with the other
 threads; under context parallelism a second group per tp rank carries the cp ops
 (``cp_sum``, ``cp_count`` and the ring's P2P shifts or the all-gather of keys and
-values in ``cp_attention``, forward and backward). Forward and backward are the real ops with their real autograd formulas,
-so what runs is the rank program itself, not a model of it. Each rank's forward
+values in ``cp_attention``, forward and backward). Forward and backward are the real
+ops with their real autograd formulas, so what runs is the rank program itself, not a
+model of it. Each rank's forward
 runs through an ``fx.Interpreter`` that records every node's value for the
 comparison (``compare.py``).
 """
@@ -71,7 +72,7 @@ def run_grid(cp: int, tp: int, body: Callable[[int, int, str, str], object]) -> 
             for g in tp_groups + cp_groups:
                 g.abort()
 
-    threads = [threading.Thread(target=target, args=(c, t), name=f"fxmegatron-sim-cp{c}-tp{t}", daemon=True)
+    threads = [threading.Thread(target=target, args=(c, t), name=f"fxmegatron-sim-rank{c * tp + t}", daemon=True)
                for c in range(cp) for t in range(tp)]
     for t in threads:
         t.start()
