@@ -5,7 +5,7 @@
     fxmegatron export CHECKPOINT OUTDIR      (a trainer checkpoint -> a Hugging Face folder)
 
     fxmegatron verify --factory FILE.py:FUNCTION --tp 2,4 [--sequence-parallel both] [--recompute full]
-                      [--pp 1,2 --virtual-stages 2 --microbatches 4 --dp 2]
+                      [--pp 1,2 --virtual-stages 2 --microbatches 4 --dp 2] [--cp 2 [--cp-attention allgather]]
     fxmegatron compile --factory FILE.py:FUNCTION --pp 2 --tp 2 --microbatches 4 --out FOLDER
     torchrun --nproc_per_node 4 -m fxmegatron.launch FOLDER --data text.txt --steps 100
 
@@ -32,7 +32,7 @@ import tempfile
 import time
 
 from fxmegatron.factory import load_factory
-from fxmegatron.layout import RECOMPUTE_MODES, SCHEDULE_NAMES, Layout
+from fxmegatron.layout import CP_ATTENTIONS, RECOMPUTE_MODES, SCHEDULE_NAMES, Layout
 
 
 # the options a stage folder is written for: its stage.py is the generated source of plain ATen
@@ -96,6 +96,8 @@ def verify_main(argv):
     ap.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES)
     ap.add_argument("--blocks-per-chunk", default=None, type=lambda s: tuple(int(x) for x in s.split(",")),
                     help="blocks of each pipeline chunk, comma-separated")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (each holds two chunks of the sequence)")
+    ap.add_argument("--cp-attention", default="ring", choices=CP_ATTENTIONS)
     ap.add_argument("--sequence-parallel", default="off", choices=["off", "on", "both"])
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
     ap.add_argument("--seed", type=int, default=0)
@@ -118,7 +120,8 @@ def verify_main(argv):
                 try:
                     lay = Layout(tp=tp, pp=pp, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
                                  dp=args.dp, sequence_parallel=sp, recompute=args.recompute, schedule=args.schedule,
-                                 blocks_per_chunk=args.blocks_per_chunk, seed=args.seed)
+                                 blocks_per_chunk=args.blocks_per_chunk, seed=args.seed, cp=args.cp,
+                                 cp_attention=args.cp_attention)
                     print(verify(copy.deepcopy(model), batch, layout=lay), flush=True)
                 except FxMegatronError as exc:
                     failed += 1

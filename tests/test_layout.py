@@ -44,10 +44,10 @@ FLAGS_NOT = {"state_dict", "seed", "verbose", "verify", "min_split", "chunked"}
 COMPILE_NOT_FLAGS = FLAGS_NOT | {"dp", "cp", "cp_attention", "fuse", "compile", "tp_comm_overlap",
                                  "tp_comm_transport", "precision", "fp8_recipe", "fp8_policy", "grad_accum_dtype"}
 COMPILE_OTHER_FLAGS = {"factory", "out", "seed"}
-# verify simulates tp, pp and dp ranks in one process on the CPU: cp, the kernels (fuse, compile),
+# verify simulates dp, pp, cp and tp ranks in one process on the CPU: the kernels (fuse, compile),
 # fp8 (which eager does not run) and tp_comm_overlap have no simulated form; the run fields but
 # seed are parallelize's
-VERIFY_NOT_SIMULATED = {"cp", "cp_attention", "fuse", "compile", "tp_comm_overlap", "tp_comm_transport",
+VERIFY_NOT_SIMULATED = {"fuse", "compile", "tp_comm_overlap", "tp_comm_transport",
                         "precision", "fp8_recipe", "fp8_policy", "grad_accum_dtype", "chunked", "state_dict",
                         "verbose", "verify", "min_split"}
 VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}

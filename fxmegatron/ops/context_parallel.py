@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from fxmegatron.ops.collectives import all_reduce, reduce_from_tp
-from fxmegatron.ops.groups import resolve_group
+from fxmegatron.ops.groups import communicator, resolve_group
 from fxmegatron.ops.registry import register
 
 
@@ -97,6 +97,8 @@ def _scale(scale, q):
 
 def _transport(group_name: str):
     from fxmegatron.ops.context_attention import ProcessGroupTransport
+    if group_name.startswith("sim:"):     # ranks simulated in this process (verify): the same exchanges
+        return communicator(group_name)
     return ProcessGroupTransport(resolve_group(group_name))
 
 

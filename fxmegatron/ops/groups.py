@@ -124,6 +124,28 @@ class SimulatedComm:
     def reduce_scatter(self, pieces: Tensor) -> Tensor:
         return self.all_reduce(pieces)[self.rank].clone()
 
+    def shift(self, x: Tensor, send_to: int, recv_from: int) -> "_Arrived":
+        """Context-parallel attention's P2P step (``ProcessGroupTransport.shift``): ``x`` to rank
+        ``send_to``, what rank ``recv_from`` sent back. Every rank of the ring shifts at the same
+        step, so one exchange serves them all; the destinations go round too, so that a plan whose
+        ranks disagree on who sends to whom fails here instead of reading another rank's message."""
+        got = self.group.exchange(self.rank, x.contiguous())
+        dest = self.group.exchange(self.rank, torch.tensor(send_to))
+        if int(dest[recv_from]) != self.rank:
+            raise RuntimeError(f"simulated rank {self.rank} receives from rank {recv_from}, which sent to rank "
+                               f"{int(dest[recv_from])}: the ranks' exchange plans are out of step")
+        return _Arrived(got[recv_from].clone())
+
+
+class _Arrived:
+    """A shift that has already happened: ``wait()`` gives what came."""
+
+    def __init__(self, received: Tensor):
+        self.received = received
+
+    def wait(self) -> Tensor:
+        return self.received
+
 
 def communicator(group_name: str):
     """The communicator behind ``group_name``, or None where collectives are identities."""

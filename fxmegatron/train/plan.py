@@ -144,10 +144,12 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
     model = _in_dtype(model_on_meta, param_dtype)
-    cfg = Layout(**{n: getattr(layout, n) for n in PLANNED}) if layout is not None else Layout(dp=dp, pp=pp, tp=tp, cp=cp, sequence_parallel=sequence_parallel, recompute=recompute,
-                           microbatches=microbatches, virtual_stages=virtual_stages, schedule=schedule,
-                           blocks_per_chunk=blocks_per_chunk, grad_accum_dtype=grad_accum_dtype,
-                           cp_attention=cp_attention)
+    if layout is not None:
+        cfg = Layout(**{n: getattr(layout, n) for n in PLANNED})
+    else:
+        cfg = Layout(dp=dp, pp=pp, tp=tp, cp=cp, sequence_parallel=sequence_parallel, recompute=recompute,
+                     microbatches=microbatches, virtual_stages=virtual_stages, schedule=schedule,
+                     blocks_per_chunk=blocks_per_chunk, grad_accum_dtype=grad_accum_dtype, cp_attention=cp_attention)
     dp, pp, tp, cp, microbatches = cfg.dp, cfg.pp, cfg.tp, cfg.cp, cfg.microbatches
     grad_accum_dtype = cfg.grad_accum_dtype
     sched = cfg.make_schedule()        # the layout's errors before the capture's seconds

@@ -28,6 +28,11 @@ wrong only up to some chunk, that chunk's boundary). The pipeline schedule itsel
 checked by ``schedules.simulate``. Models with dropout are compared with dropout off
 (eval-mode keys); the masks themselves are keyed by element index and cannot depend on
 the layout.
+
+With context parallelism (``cp``), every cp × tp rank of a replica runs (``run_grid``: a
+simulated tp group per cp rank, a cp group per tp rank, ``cp_attention``'s exchanges between
+them), gradients are summed over cp before the average over dp, and node values are joined
+over cp by their context-parallel placement (``context.py``) before the comparison.
 """
 from __future__ import annotations
 
@@ -56,7 +61,8 @@ from fxmegatron.layout import Layout
 from fxmegatron.verify.pipeline import (average_over_replicas, boundary_diagnosis, build_program,
                                         chunk_of_node, holders, replica_weights, run_step, step_microbatches,
                                         sum_shared_grads)
-from fxmegatron.verify.simulate import Recorder, run_ranks
+from fxmegatron.verify.context import cp_view, sum_over_cp
+from fxmegatron.verify.simulate import Recorder, run_grid
 
 aten = torch.ops.aten
 
@@ -145,19 +151,20 @@ def _without_dropout(gm):
     return gm
 
 
-# the layout's fields that verify simulates (the rest, such as cp, fuse, compile or fp8, have no
+# the layout's fields that verify simulates (the rest, such as fuse, compile or fp8, have no
 # simulated form: tests/test_layout.py lists them); a layout handed in keeps these alone
-VERIFIED = ("dp", "pp", "tp", "sequence_parallel", "recompute", "microbatches", "virtual_stages", "schedule",
-            "blocks_per_chunk", "seed")
+VERIFIED = ("dp", "pp", "cp", "tp", "cp_attention", "sequence_parallel", "recompute", "microbatches",
+            "virtual_stages", "schedule", "blocks_per_chunk", "seed")
 
 
 def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual_stages: int = 1,
            microbatches: int = 1, dp: int = 1, sequence_parallel: bool = False, recompute="none",
            schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None, batch=None,
-           seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4,
-           layout: Optional[Layout] = None) -> VerifyReport:
+           seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4, cp: int = 1,
+           cp_attention: str = "ring", layout: Optional[Layout] = None) -> VerifyReport:
     """Check the layout dp × pp (``virtual_stages`` chunks per rank, ``microbatches`` per
-    step) × ``tp`` of ``model`` on simulated ranks; see the module doc. ``example_batch``
+    step) × ``cp`` (context parallelism, its attention by ``cp_attention``) × ``tp`` of
+    ``model`` on simulated ranks; see the module doc. ``example_batch``
     is the global batch of one step, as for ``parallelize``. ``layout``: a ``Layout`` instead
     of the keywords (its ``VERIFIED`` fields). Returns a report when the
     parallel program is exact, raises ``VerificationError`` otherwise. ``model`` needs
@@ -169,10 +176,10 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     if layout is None:
         lay = Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches, dp=dp,
                      sequence_parallel=sequence_parallel, recompute=recompute, schedule=schedule,
-                     blocks_per_chunk=blocks_per_chunk, seed=seed)
+                     blocks_per_chunk=blocks_per_chunk, seed=seed, cp=cp, cp_attention=cp_attention)
     else:
         lay = Layout(**{n: getattr(layout, n) for n in VERIFIED})
-    tp, pp, dp, seed = lay.tp, lay.pp, lay.dp, lay.seed
+    tp, pp, dp, seed, cp = lay.tp, lay.pp, lay.dp, lay.seed, lay.cp
     microbatches, virtual_stages, schedule = lay.microbatches, lay.virtual_stages, lay.schedule
     sched_note = ""
     if lay.pipelined():   # the schedule parallelize would run: its order is checked by the simulator
@@ -221,11 +228,12 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
             "as the model does (check the example batch: inputs that alias each other, inputs the model "
             "ignores, Python values that are constants in the graph)")
 
-    programs = [[None] * tp for _ in range(dp)]
+    programs = [[None] * (cp * tp) for _ in range(dp)]     # by replica, then cp rank · tp + tp rank
 
-    def rank_body(d: int, rank: int, group_name: str):
-        prog = build_program(cap, lay, rank, group_name, d, seed, dropout, d == 0 and rank == 0)
-        programs[d][rank] = prog
+    def rank_body(d: int, c: int, rank: int, group_name: str, cp_group: str):
+        prog = build_program(cap, lay, rank, group_name, d, seed, dropout, d == 0 and c == 0 and rank == 0, c,
+                             cp_group)
+        programs[d][c * tp + rank] = prog
         # the counts of every replica's microbatches: what the all-reduce over dp adds up
         counts = None if prog.counter is None else [[prog.counter(mb) for mb in rep] for rep in micro]
         weights = replica_weights(counts, d, dp, microbatches)
@@ -233,8 +241,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         out["weights"] = weights
         return out
 
-    # the replicas one after the other, each with its own simulated tp group
-    results = [run_ranks(tp, functools.partial(rank_body, d)) for d in range(dp)]
+    # the replicas one after the other, each with its own simulated tp and cp groups
+    results = [run_grid(cp, tp, functools.partial(rank_body, d)) for d in range(dp)]
     prog0 = programs[0][0]
     plan = prog0.plan
 
@@ -245,7 +253,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     # per tp rank, per pipeline rank: the gradients after GradSync and the shared-weight sum
     final = []
     for t in range(tp):
-        g = average_over_replicas([results[d][t]["grads"] for d in range(dp)], programs[0][t].params)
+        g = average_over_replicas([sum_over_cp([results[d][c * tp + t]["grads"] for c in range(cp)])
+                                   for d in range(dp)], programs[0][t].params)
         if pp > 1:
             sum_shared_grads(g, programs[0][t].shared)
         final.append(g)
@@ -278,7 +287,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         head = (f"verify {layout} of {type(model).__name__}: the parallel program differs from the model "
                 f"(loss {loss.item():.6f}, the model's {loss_eager.item():.6f})")
         div = first_divergence(ref_gm.graph, rec.values, prog0.local.graph, [r["values"] for r in results[0]],
-                               max(loss_rtol, 1e-4))
+                               max(loss_rtol, 1e-4), cp_view(prog0.local, tp))
         if div is not None:
             c = chunk_of_node(prog0).get(div.node)
             where = [f"chunk {c} on pp rank {c % pp}"] if c is not None else []
@@ -311,7 +320,9 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
 def layout_name(lay: Layout) -> str:
     parts = [f"tp={lay.tp}"]
     parts += [f"{k}={v}" for k, v in (("pp", lay.pp), ("v", lay.virtual_stages), ("m", lay.microbatches),
-                                      ("dp", lay.dp)) if v > 1]
+                                      ("dp", lay.dp), ("cp", lay.cp)) if v > 1]
+    if lay.cp > 1 and lay.cp_attention != "ring":
+        parts.append(f"cp_attention={lay.cp_attention}")
     if lay.sequence_parallel:
         parts.append("sp")
     if lay.recompute != "none":

@@ -73,10 +73,12 @@ class Divergence:
     placement: str
     rule: str
     detail: str
+    cp: str = ""        # the context-parallel placement and rule, under cp
 
     def __str__(self):
         where = f" in {self.module}" if self.module else ""
-        return (f"node {self.node} ({self.op}){where}, placed {self.placement} by rule {self.rule!r}: "
+        cp = f", {self.cp}" if self.cp else ""
+        return (f"node {self.node} ({self.op}){where}, placed {self.placement} by rule {self.rule!r}{cp}: "
                 f"{self.detail}")
 
 
@@ -85,25 +87,31 @@ def rule_of(node: fx.Node) -> str:
 
 
 def first_divergence(ref_graph: fx.Graph, ref_values: Dict[str, object], rank_graph: fx.Graph,
-                     rank_values: List[Dict[str, object]], rtol: float) -> Optional[Divergence]:
+                     rank_values: List[Dict[str, object]], rtol: float, cp=None) -> Optional[Divergence]:
     """The first node, in the original graph's order, whose reassembled value differs from
-    the original's by more than ``rtol`` (relative to the original's largest magnitude)."""
+    the original's by more than ``rtol`` (relative to the original's largest magnitude).
+    ``rank_values``: by tp rank, or, under context parallelism (``cp``, a ``context.CPView``),
+    by cp rank, then tp rank."""
     by_name = {n.name: n for n in rank_graph.nodes}
     for ref_node in ref_graph.nodes:
-        node = by_name.get(ref_node.name)
+        name = cp.stands_for.get(ref_node.name, ref_node.name) if cp is not None else ref_node.name
+        node = by_name.get(name)
         if node is None or ref_node.name not in ref_values or "placement" not in node.meta:
             continue
         if getattr(node.target, "overloadpacket", None) in _UNINITIALISED:
             continue
-        if any(ref_node.name not in v for v in rank_values):
+        if any(name not in v for v in rank_values):
             continue
         plc = node.meta["placement"]
-        got = reassemble([v[ref_node.name] for v in rank_values], plc)
+        values = [v[name] for v in rank_values]
+        got = reassemble(values, plc) if cp is None else cp.reassemble(values, plc, ref_node.name)
         want = ref_values[ref_node.name]
         bad = _differs(got, want, rtol)
         if bad:
-            return Divergence(node.name, str(getattr(node.target, "__name__", node.target)), module_path(node),
-                              _plc_str(plc), rule_of(node), bad)
+            shown = node if name == ref_node.name else ref_node      # the original op a cp op stands for
+            return Divergence(ref_node.name, str(getattr(shown.target, "__name__", shown.target)),
+                              module_path(node), _plc_str(plc), rule_of(node), bad,
+                              cp.describe(ref_node.name) if cp is not None else "")
     return None
 
 

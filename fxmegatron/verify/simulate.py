@@ -3,8 +3,11 @@
 The ranks' collectives go through a ``SimulatedGroup`` (``fxmegatron.ops.groups``):
 each rank's graph is bound to the group name ``sim:<group>:<rank>``, and its f/g,
 gathers, scatters and the vocab-parallel loss exchange tensors with the other
-threads. Forward and backward are the real ops with their real autograd formulas,
-so what runs is the rank program itself, not a model of it. Each rank's forward
+threads; under context parallelism a second group per tp rank carries the cp ops
+(``cp_sum``, ``cp_count`` and the ring's P2P shifts or the all-gather of keys and
+values in ``cp_attention``, forward and backward). Forward and backward are the real
+ops with their real autograd formulas, so what runs is the rank program itself, not a
+model of it. Each rank's forward
 runs through an ``fx.Interpreter`` that records every node's value for the
 comparison (``compare.py``).
 """
@@ -44,23 +47,33 @@ def _detached(x):
 def run_ranks(size: int, body: Callable[[int, str], object]) -> List[object]:
     """``body(rank, group_name)`` on ``size`` threads sharing one simulated group; the results
     by rank. An exception on any rank wakes the others and is raised here (the first one)."""
-    group = SimulatedGroup(size)
-    results: List[object] = [None] * size
+    return run_grid(1, size, lambda c, t, tp_name, cp_name: body(t, tp_name))
+
+
+def run_grid(cp: int, tp: int, body: Callable[[int, int, str, str], object]) -> List[object]:
+    """``body(cp_rank, tp_rank, tp_group_name, cp_group_name)`` on cp·tp threads: the ranks of one
+    cp rank share a simulated tp group, those of one tp rank a cp group (the mesh's cp × tp).
+    The results by rank, cp_rank·tp + tp_rank. An exception on any rank wakes the others and is
+    raised here (the first one)."""
+    tp_groups = [SimulatedGroup(tp) for _ in range(cp)]
+    cp_groups = [SimulatedGroup(cp) for _ in range(tp)]
+    results: List[object] = [None] * (cp * tp)
     errors: List[BaseException] = []
 
-    def target(rank: int) -> None:
+    def target(c: int, t: int) -> None:
         try:
             with torch.random.fork_rng(devices=[]):
-                results[rank] = body(rank, group.name(rank))
+                results[c * tp + t] = body(c, t, tp_groups[c].name(t), cp_groups[t].name(c))
         except threading.BrokenBarrierError as exc:
             if not errors:
                 errors.append(exc)
         except BaseException as exc:   # noqa: B902 - reported on the caller's thread
             errors.insert(0, exc)
-            group.abort()
+            for g in tp_groups + cp_groups:
+                g.abort()
 
-    threads = [threading.Thread(target=target, args=(r,), name=f"fxmegatron-sim-rank{r}", daemon=True)
-               for r in range(size)]
+    threads = [threading.Thread(target=target, args=(c, t), name=f"fxmegatron-sim-rank{c * tp + t}", daemon=True)
+               for c in range(cp) for t in range(tp)]
     for t in threads:
         t.start()
     for t in threads:
@@ -68,4 +81,3 @@ def run_ranks(size: int, body: Callable[[int, str], object]) -> List[object]:
     if errors:
         raise errors[0]
     return results
-

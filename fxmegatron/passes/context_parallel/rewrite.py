@@ -64,6 +64,7 @@ def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, gro
         scale = arg(node, 6, "scale", None)
         both = _call(gm, cp_attention, (q, k, v, causal, scale, group_name, cp, rank, variant), node, before=node)
         out = _call(gm, operator.getitem, (both, 0), node, after=both)
+        out.meta["cp_replaces"] = node.name     # what verify compares it with
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     for n, p in plan.plc.items():
