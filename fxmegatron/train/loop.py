@@ -102,7 +102,7 @@ def train(prep: Prepared, env: Env, t_start: float) -> int:
         resume = checkpoints.resume_from(cfg.checkpoint.dir, cfg.checkpoint.resume)
         if resume is not None:
             extra = fxmegatron.io.checkpoint.load(pm, opt, resume)
-            prep.train.check_state(extra.get("data", {}))
+            prep.train.check_state(extra.get("data", {}), cache_dir=os.path.join(cfg.run.out, "cache"))
             start = int(extra["step"])
         if start >= cfg.run.steps:
             if lead:
@@ -119,7 +119,9 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     flops_step = flops_per_token(prep.source.model, cfg.data.seq_len, prep.layers, prep.hidden) * tokens_per_step
     peak = cfg.run.peak_tflops or (H100_BF16_TFLOPS if device.type == "cuda" else 0.0)
-    extra = {"model": prep.source.describe, "data": prep.train.state(), "config": cfg.as_dict(),
+    # the data's fingerprint hashes every token once; its digest is cached beside the token cache
+    extra = {"model": prep.source.describe, "data": prep.train.state(os.path.join(cfg.run.out, "cache")),
+             "config": cfg.as_dict(),
              "layout": {"dp": cfg.layout.dp, "pp": cfg.layout.pp, "cp": cfg.layout.cp, "tp": cfg.layout.tp}}
     files = {}
     if cfg.data.kind == "text" and cfg.data.tokenizer != "bytes":
