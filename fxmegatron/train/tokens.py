@@ -2,8 +2,11 @@
 
 A stream is a flat sequence of token ids read lazily: a Megatron / nanoGPT ``.bin`` file
 (memory-mapped), or plain text files tokenized by bytes or by a Hugging Face tokenizer
-(optionally cached as a ``.bin``). Documents are packed: concatenated, with the
-tokenizer's EOS between them, so a training window may span two documents."""
+(optionally cached as a ``.bin``). Documents are packed: concatenated, with a Hugging Face
+tokenizer's EOS after each (when it has one), so a training window may span two documents. Bytes
+have no separator: the 256 byte values are the whole vocabulary, and an EOS id of 256 would
+make it 257, which no tensor-parallel split of the bundled GPT divides (and which would make the
+model's shape depend on a separator)."""
 from __future__ import annotations
 
 import bisect
@@ -349,8 +352,8 @@ def _cached_hf_tokens_in(paths: list[str], tokenizer: str, cache_dir: str) -> np
 def text_tokens(paths: list[str], tokenizer: str, cache_dir: str | None = None) -> TokenStream:
     """Plain text files as one packed stream.
 
-    ``tokenizer="bytes"``: the files' UTF-8 bytes joined with no separator (vocab 256),
-    memory-mapped, so no cache is needed. Otherwise ``tokenizer`` is a directory saved by
+    ``tokenizer="bytes"``: the files' bytes joined with no separator (vocab 256: every id is a
+    byte value, none is left for an EOS), memory-mapped, so no cache is needed. Otherwise ``tokenizer`` is a directory saved by
     ``save_pretrained``; each file is one document, followed by the tokenizer's EOS when it
     has one. With ``cache_dir`` the tokens are written once to ``cache_dir/<key>.bin``
     (see ``cache_key``) and memory-mapped on later calls, from any rank."""
