@@ -160,10 +160,13 @@ class TokenStream:
                 digest = self._content_sha256()
                 now = time.time_ns()
                 if self._files_key() == key and all(now - f[2] > _RACY_NS for f in key["files"]):
-                    atomic_write(path, lambda f: f.write(json.dumps({"key": key, "content_sha256": digest}).encode()))
+                    try:
+                        entry = json.dumps({"key": key, "content_sha256": digest}).encode()
+                        atomic_write(path, lambda f: f.write(entry))
+                    except OSError:
+                        pass    # an unwritable cache costs the full read on every start, never a wrong answer
                 return digest
-        except OSError:
-            # an unwritable cache costs the full read on every start, never a wrong answer
+        except OSError:         # no cache folder: the same
             return self._content_sha256()
 
 
@@ -353,10 +356,11 @@ def text_tokens(paths: list[str], tokenizer: str, cache_dir: str | None = None) 
     """Plain text files as one packed stream.
 
     ``tokenizer="bytes"``: the files' bytes joined with no separator (vocab 256: every id is a
-    byte value, none is left for an EOS), memory-mapped, so no cache is needed. Otherwise ``tokenizer`` is a directory saved by
-    ``save_pretrained``; each file is one document, followed by the tokenizer's EOS when it
-    has one. With ``cache_dir`` the tokens are written once to ``cache_dir/<key>.bin``
-    (see ``cache_key``) and memory-mapped on later calls, from any rank."""
+    byte value, none is left for an EOS), memory-mapped, so no cache is needed. Otherwise
+    ``tokenizer`` is a directory saved by ``save_pretrained``; each file is one document,
+    followed by the tokenizer's EOS when it has one. With ``cache_dir`` the tokens are written
+    once to ``cache_dir/<key>.bin`` (see ``cache_key``) and memory-mapped on later calls, from
+    any rank."""
     paths = _check_text_paths(paths)
     name = _name(paths)
     if tokenizer == "bytes":
