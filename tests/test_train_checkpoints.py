@@ -78,4 +78,4 @@ def test_a_resume_that_does_not_fit_is_one_line_before_any_step(tmp_path):
     assert r.returncode == 0, r.stdout
     assert (f'checkpoint.resume = "auto" skipped {ckpt}.tmp (a save cut off before its index.json); no complete '
             "checkpoint: starting from step 0") in r.stdout
-    assert [int(x["step"]) for x in rows(out)] == [0, 1, 2]
+    assert [int(x["step"]) for x in rows(out)] == [1, 2, 3]

@@ -150,6 +150,16 @@ def test_byte_text(tmp_path):
         text_tokens([str(a), str(tmp_path / "missing.txt")], "bytes")
 
 
+def test_the_docs_say_what_bytes_do_between_files():
+    """Bytes put nothing between files (test_byte_text: 256 byte values leave no id for an EOS);
+    docs/TRAINER.md once said every text file was followed by an EOS."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "TRAINER.md")).read()
+    data = " ".join(doc.split("- **Data.**")[1].split("- **Evaluation.**")[0].split())
+    assert 'tokenized by bytes (`data.tokenizer = "bytes"`: the files\' bytes joined as they are, with no ' \
+           "separator between files" in data, data
+    assert "(each file a document, the tokenizer's EOS after it when it has one;" in data, data
+
+
 def test_hf_tokenizer_appends_eos_per_document(tmp_path, hf_dir):
     tok = _hf(hf_dir)
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"

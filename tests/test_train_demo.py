@@ -23,7 +23,7 @@ def test_demo_config_dp2_loss_falls_and_writes_its_files(tmp_path):
     assert r.returncode == 0, r.stdout
     rs = rows(out)
     assert list(rs[0]) == COLUMNS
-    assert [int(x["step"]) for x in rs] == list(range(STEPS))
+    assert [int(x["step"]) for x in rs] == list(range(1, STEPS + 1))
     losses = [float(x["loss"]) for x in rs]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
     assert all(float(x["tokens_per_s"]) > 0 and float(x["mem_gib"]) > 0 for x in rs)
@@ -57,7 +57,7 @@ def test_context_parallel_cp2_matches_one_process(tmp_path):
         r = train(cfg, nproc)
         assert r.returncode == 0, r.stdout
         rs = rows(tmp_path / name)
-        assert [int(x["step"]) for x in rs] == list(range(steps))
+        assert [int(x["step"]) for x in rs] == list(range(1, steps + 1))
         return r.stdout, [float(x["loss"]) for x in rs], [float(x["val_loss"]) for x in rs if x["val_loss"]]
 
     _, ref, ref_val = run("one", 1, {})

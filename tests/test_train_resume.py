@@ -43,7 +43,7 @@ def kill_and_resume(cfg, out, nproc, resume_cfg=None, resume_nproc=None, seed=0)
 
 def losses(out):
     rs = rows(out)
-    assert [int(r["step"]) for r in rs] == list(range(STEPS)), [r["step"] for r in rs]
+    assert [int(r["step"]) for r in rs] == list(range(1, STEPS + 1)), [r["step"] for r in rs]
     return [r["loss"] for r in rs], [r["val_loss"] for r in rs]
 
 

@@ -155,6 +155,8 @@ KEYS: List[Key] = [
     # ---- log ----
     _k("log", "tensorboard", BOOL, True, "write TensorBoard event files to OUT/tensorboard"),
     _k("log", "plot", BOOL, True, "write OUT/loss.png at the end"),
+    _k("log", "jsonl", BOOL, False, "also write OUT/log.jsonl: loss.csv's rows as JSON lines (one object per step, "
+       "floats exact), rewritten on resume as loss.csv is"),
 ]
 
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))

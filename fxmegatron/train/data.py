@@ -111,17 +111,18 @@ class Batches:
         ``[:, :-1]``, labels ``[:, 1:]``."""
         return _read_windows(self.stream, self.seq_len, self.indices(step))
 
-    def state(self) -> dict:
-        """What a checkpoint stores to check that a resume draws the same batches."""
+    def state(self, cache_dir: str | None = None) -> dict:
+        """What a checkpoint stores to check that a resume draws the same batches (``cache_dir``:
+        where the stream's content hash is cached, ``TokenStream.fingerprint``)."""
         return {"format": _SAMPLER_FORMAT, "seed": self.seed, "seq_len": self.seq_len,
                 "global_batch": self.global_batch, "n_windows": self.n,
-                "stream": self.stream.fingerprint(), "stream_name": self.stream.name}
+                "stream": self.stream.fingerprint(cache_dir), "stream_name": self.stream.name}
 
-    def check_state(self, saved: dict) -> None:
+    def check_state(self, saved: dict, cache_dir: str | None = None) -> None:
         """DataError naming each setting that differs from ``saved`` (a ``state()``).
 
         The stream's name is not compared: the same corpus may sit elsewhere on resume."""
-        now = self.state()
+        now = self.state(cache_dir)
         where = f"{self.stream.name}: resumed data does not match the checkpoint's"
         if not isinstance(saved, dict):
             raise DataError(f"{where}: the saved data state is {type(saved).__name__}, not a dict")
@@ -138,6 +139,12 @@ class Batches:
             diffs.append(f"stream length was {length!r} tokens, is {new['length']}")
         elif old.get("sha256") != new["sha256"]:
             diffs.append("stream content differs (hash of its first and last 4096 tokens)")
+        elif "content_sha256" not in old:
+            warnings.warn(f"{self.stream.name}: the checkpoint's data fingerprint predates content_sha256: only the "
+                          f"length and the first and last 4096 tokens were compared, so an edit elsewhere in the "
+                          f"corpus would go unnoticed", stacklevel=2)
+        elif old["content_sha256"] != new["content_sha256"]:
+            diffs.append("stream content differs (hash of every token): the corpus was edited since the checkpoint")
         if diffs:
             was = saved.get("stream_name")
             tail = f" (saved from {was})" if was and was != self.stream.name else ""

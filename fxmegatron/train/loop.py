@@ -101,7 +101,7 @@ def train(prep: Prepared, env: Env, t_start: float) -> int:
         resume = checkpoints.resume_from(cfg.checkpoint.dir, cfg.checkpoint.resume)
         if resume is not None:
             extra = fxmegatron.io.checkpoint.load(pm, opt, resume)
-            prep.train.check_state(extra.get("data", {}))
+            prep.train.check_state(extra.get("data", {}), cache_dir=os.path.join(cfg.run.out, "cache"))
             start = int(extra["step"])
         if start >= cfg.run.steps:
             if lead:
@@ -118,12 +118,14 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     flops_step = flops_per_token(prep.source.model, cfg.data.seq_len, prep.layers, prep.hidden) * tokens_per_step
     peak = cfg.run.peak_tflops or (H100_BF16_TFLOPS if device.type == "cuda" else 0.0)
-    extra = {"model": prep.source.describe, "data": prep.train.state(), "config": cfg.as_dict(),
+    # the data's fingerprint hashes every token once; its digest is cached beside the token cache
+    extra = {"model": prep.source.describe, "data": prep.train.state(os.path.join(cfg.run.out, "cache")),
+             "config": cfg.as_dict(),
              "layout": {"dp": cfg.layout.dp, "pp": cfg.layout.pp, "cp": cfg.layout.cp, "tp": cfg.layout.tp}}
     files = {}
     if cfg.data.kind == "text" and cfg.data.tokenizer != "bytes":
         files["tokenizer"] = cfg.data.tokenizer
-    metrics = Metrics(cfg.run.out, start, cfg.log.tensorboard) if lead else None
+    metrics = Metrics(cfg.run.out, start, cfg.log.tensorboard, cfg.log.jsonl) if lead else None
     progress = Progress(steps, cfg.run.log_every, start) if lead else None
     if lead:
         n_local = sum(p.numel() for p in pm.parameters())
@@ -168,7 +170,7 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
                                      f"update skipped")
             opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
-            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
+            row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
                    "tflops_per_device": flops_step / dt / env.world / 1e12,
                    "mfu": (flops_step / dt / env.world / 1e12 / peak) if peak else float("nan"),
                    "mem_gib": peak_memory_gib(device), "elapsed_s": time.perf_counter() - t_train,
@@ -214,6 +216,7 @@ def _summary(prep: Prepared, metrics: Metrics, last_val: Optional[float], t_star
           f"last {k} steps {last:.4f})" + (f"; validation {last_val:.4f}" if last_val is not None else ""))
     print(f"throughput  {len(tps) / sum(1 / t for t in tps):,.0f} tokens/s (steps after the first)")
     print(f"wall time   {time.perf_counter() - t_start:.1f} s (training {time.perf_counter() - t_train:.1f} s)")
-    print(f"files       {metrics.path}" + (f", {os.path.join(cfg.run.out, 'loss.png')}" if cfg.log.plot else "")
+    print(f"files       {metrics.path}" + (f", {metrics.jsonl}" if metrics.jsonl else "")
+          + (f", {os.path.join(cfg.run.out, 'loss.png')}" if cfg.log.plot else "")
           + (f", {os.path.join(cfg.run.out, 'tensorboard')}" if cfg.log.tensorboard else ""))
 

@@ -1,9 +1,12 @@
 """What rank 0 shows and writes while training: a progress line (loss, tokens/s, TFLOP/s per
 device, MFU, memory), OUT/loss.csv (every step, floats written exactly so runs can be compared
-bit for bit), TensorBoard event files and OUT/loss.png at the end."""
+bit for bit), OUT/log.jsonl (the same rows as JSON lines, with ``log.jsonl``), TensorBoard event
+files and OUT/loss.png at the end. Steps count from 1, as the console and the checkpoints do: row
+``step`` N is the N-th optimizer step, and a checkpoint step-N holds the weights after it."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import resource
 import sys
@@ -56,10 +59,10 @@ class Progress:
         self.width = 0
 
     def update(self, row: Dict) -> None:
-        step = row["step"]
-        frac = (step + 1) / self.steps
+        step = row["step"]          # counted from 1
+        frac = step / self.steps
         bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
-        line = (f"[{bar}] step {step + 1:>{len(str(self.steps))}}/{self.steps}  loss {row['loss']:.4f}  "
+        line = (f"[{bar}] step {step:>{len(str(self.steps))}}/{self.steps}  loss {row['loss']:.4f}  "
                 f"lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  {row['tflops_per_device']:.2f} TFLOP/s/dev")
         if row["mfu"] == row["mfu"]:
             line += f"  MFU {row['mfu']:.1%}"
@@ -67,7 +70,7 @@ class Progress:
         if self.tty:
             print("\r" + line.ljust(self.width), end="", flush=True)
             self.width = len(line)
-        elif (step + 1) % self.every == 0 or step == self.start or step + 1 == self.steps:
+        elif step % self.every == 0 or step == self.start + 1 or step == self.steps:
             print(line, flush=True)
 
     def message(self, text: str) -> None:
@@ -87,35 +90,53 @@ def _fmt(v) -> str:
     return repr(float(v)) if isinstance(v, float) else str(v)
 
 
+def _json_line(row: Dict) -> str:
+    """loss.csv's columns as one JSON object: floats by repr (exact, as in loss.csv), an absent
+    value as null, a non-finite one as Python's json writes it (NaN, Infinity)."""
+    return json.dumps({c: row.get(c) for c in COLUMNS}) + "\n"
+
+
 class Metrics:
     """OUT/loss.csv, appended and flushed every step (a killed run leaves its rows); a resumed run
-    keeps the rows before the step it resumes at and rewrites the rest. TensorBoard events in
-    OUT/tensorboard (``tensorboardX``), purged past the resume step the same way."""
+    keeps the rows of the steps its checkpoint holds (step <= the resume step) and rewrites the rest.
+    With ``jsonl``, OUT/log.jsonl holds the same rows, written alongside: on resume it is rewritten
+    from loss.csv's kept rows, so the two agree row by row whatever happened to either before.
+    TensorBoard events in OUT/tensorboard (``tensorboardX``), purged past the resume step the same way."""
 
-    def __init__(self, out: str, start_step: int, tensorboard: bool):
+    def __init__(self, out: str, start_step: int, tensorboard: bool, jsonl: bool = False):
         os.makedirs(out, exist_ok=True)
         self.path = os.path.join(out, "loss.csv")
+        self.jsonl = os.path.join(out, "log.jsonl") if jsonl else None
         self.rows: List[Dict] = []
         if start_step > 0 and os.path.exists(self.path):
             with open(self.path, newline="") as f:
-                for r in csv.DictReader(f):
-                    if int(r["step"]) < start_step:
-                        self.rows.append({k: (None if v == "" else int(v) if k == "step" else float(v))
-                                          for k, v in r.items()})
+                old = [{k: (None if v == "" else int(v) if k == "step" else float(v)) for k, v in r.items()}
+                       for r in csv.DictReader(f)]
+            # fxmegatron before steps counted from 1 wrote 0 for the first step: renumber such a file,
+            # or the kept rows would hold one step too many
+            shift = 1 if old and old[0]["step"] == 0 else 0
+            self.rows = [{**r, "step": r["step"] + shift} for r in old if r["step"] + shift <= start_step]
         with open(self.path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(COLUMNS)
             for r in self.rows:
                 w.writerow([_fmt(r.get(c)) for c in COLUMNS])
+        if self.jsonl:
+            with open(self.jsonl, "w") as f:
+                f.writelines(_json_line(r) for r in self.rows)
         self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step or None)
+            # events of the steps after the resume step (from start_step + 1) are rewritten
+            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
     def log(self, row: Dict) -> None:
         self.rows.append(row)
         with open(self.path, "a", newline="") as f:
             csv.writer(f).writerow([_fmt(row.get(c)) for c in COLUMNS])
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(_json_line(row))
         if self.tb is not None:
             s = row["step"]
             for c in COLUMNS[1:-1]:

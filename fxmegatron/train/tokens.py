@@ -2,8 +2,11 @@
 
 A stream is a flat sequence of token ids read lazily: a Megatron / nanoGPT ``.bin`` file
 (memory-mapped), or plain text files tokenized by bytes or by a Hugging Face tokenizer
-(optionally cached as a ``.bin``). Documents are packed: concatenated, with the
-tokenizer's EOS between them, so a training window may span two documents."""
+(optionally cached as a ``.bin``). Documents are packed: concatenated, with a Hugging Face
+tokenizer's EOS after each (when it has one), so a training window may span two documents. Bytes
+have no separator: the 256 byte values are the whole vocabulary, and an EOS id of 256 would
+make it 257, which no tensor-parallel split of the bundled GPT divides (and which would make the
+model's shape depend on a separator)."""
 from __future__ import annotations
 
 import bisect
@@ -11,17 +14,24 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 
 import numpy as np
 
 from fxmegatron.errors import DataError
-from fxmegatron.train.token_files import TOKEN_DTYPES, open_tokens, read_sidecar, write_tokens
+from fxmegatron.train.token_files import TOKEN_DTYPES, atomic_write, open_tokens, read_sidecar, write_tokens
 
 # A full scan of a multi-GB memmap in one .max() would page the whole file in at once.
 _SCAN_CHUNK = 1 << 22
 # Bumped whenever the cache's content for the same inputs would change (2: the sidecar of
 # token_files, KEY.bin.json, in place of KEY.json).
 _CACHE_FORMAT = 2
+# Bumped whenever a stream's content hash for the same tokens would change, so a cached digest
+# of another format is never taken for this one.
+_FINGERPRINT_FORMAT = 1
+# A file modified this recently may be modified again within the same timestamp tick (Linux stamps
+# files with a coarse clock): its digest is not cached, as git does not trust a "racily clean" file.
+_RACY_NS = 2_000_000_000
 
 
 class TokenStream:
@@ -42,6 +52,7 @@ class TokenStream:
         self._lo, self._hi = 0, self._starts[-1]
         self.name = name
         self._vocab_needed: int | None = None
+        self._content: str | None = None        # content_sha256, once computed
         # What an error about its ids adds: how to read the file otherwise, when nothing
         # recorded its dtype (token_files.open_tokens).
         self.dtype_hint = ""
@@ -89,17 +100,74 @@ class TokenStream:
         if not self._lo <= v._lo <= v._hi <= self._hi:
             raise DataError(f"{self.name}: view [{start}, {stop}) outside its {len(self)} tokens")
         v.name = name or f"{self.name}[{start}:{stop}]"
-        v._vocab_needed = None
+        v._vocab_needed = v._content = None
         return v
 
-    def fingerprint(self) -> dict:
-        """Length and a hash of the first and last 4096 tokens (as int64, so the same tokens
-        stored as uint16 or uint32 agree): cheap, and catches a different or edited corpus."""
+    def fingerprint(self, cache_dir: str | None = None) -> dict:
+        """What a checkpoint records to refuse a resume on other data: the length, ``sha256`` of
+        the first and last 4096 tokens as int64 (all that checkpoints before ``content_sha256``
+        recorded; kept so that theirs still compare) and ``content_sha256``, a hash of every token
+        as little-endian uint32 (the same tokens stored as uint16 or uint32 agree), which catches
+        an edit anywhere. The full hash reads the whole stream once: with ``cache_dir`` its digest
+        is kept there, keyed by each file's path, size, mtime, ctime and inode, so a resume on an
+        unchanged corpus only stats its files."""
         h = hashlib.sha256()
         n = len(self)
         h.update(self.read(0, min(4096, n)).tobytes())
         h.update(self.read(max(0, n - 4096), min(4096, n)).tobytes())
-        return {"length": n, "sha256": h.hexdigest()}
+        if self._content is None:
+            self._content = self._cached_content(cache_dir) if cache_dir else self._content_sha256()
+        return {"length": n, "sha256": h.hexdigest(), "content_sha256": self._content}
+
+    def _content_sha256(self) -> str:
+        h = hashlib.sha256()
+        narrow = all(p.dtype.kind == "u" and p.dtype.itemsize <= 4 for p in self._parts)
+        for chunk in self._chunks():
+            if not narrow and len(chunk) and (int(chunk.min()) < 0 or int(chunk.max()) >= 1 << 32):
+                bad = int(chunk.min()) if int(chunk.min()) < 0 else int(chunk.max())
+                raise DataError(f"{self.name}: token id {bad} is outside [0, 2**32): not a token stream")
+            h.update(chunk.astype("<u4").tobytes())
+        return h.hexdigest()
+
+    def _files_key(self):
+        """What the content hash depends on, or None when a part is not a file (then no cache)."""
+        files = []
+        for p in self._parts:
+            path = getattr(p, "filename", None)
+            if path is None:
+                return None
+            st = os.stat(path)
+            files.append([os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                          p.dtype.str, int(getattr(p, "offset", 0)), len(p)])
+        return {"format": _FINGERPRINT_FORMAT, "files": files, "range": [self._lo, self._hi]}
+
+    def _cached_content(self, cache_dir: str) -> str:
+        key = self._files_key()
+        if key is None:
+            return self._content_sha256()
+        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        path = os.path.join(cache_dir, f"fingerprint-{name}.json")
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            with _exclusive(path + ".lock"):    # one rank per host reads the corpus, the others wait
+                try:
+                    with open(path) as f:
+                        saved = json.load(f)
+                    if saved.get("key") == key:
+                        return saved["content_sha256"]
+                except (OSError, ValueError, KeyError, AttributeError):
+                    pass
+                digest = self._content_sha256()
+                now = time.time_ns()
+                if self._files_key() == key and all(now - f[2] > _RACY_NS for f in key["files"]):
+                    try:
+                        entry = json.dumps({"key": key, "content_sha256": digest}).encode()
+                        atomic_write(path, lambda f: f.write(entry))
+                    except OSError:
+                        pass    # an unwritable cache costs the full read on every start, never a wrong answer
+                return digest
+        except OSError:         # no cache folder: the same
+            return self._content_sha256()
 
 
 def memmap_tokens(path: str, dtype: str) -> TokenStream:
@@ -287,11 +355,12 @@ def _cached_hf_tokens_in(paths: list[str], tokenizer: str, cache_dir: str) -> np
 def text_tokens(paths: list[str], tokenizer: str, cache_dir: str | None = None) -> TokenStream:
     """Plain text files as one packed stream.
 
-    ``tokenizer="bytes"``: the files' UTF-8 bytes joined with no separator (vocab 256),
-    memory-mapped, so no cache is needed. Otherwise ``tokenizer`` is a directory saved by
-    ``save_pretrained``; each file is one document, followed by the tokenizer's EOS when it
-    has one. With ``cache_dir`` the tokens are written once to ``cache_dir/<key>.bin``
-    (see ``cache_key``) and memory-mapped on later calls, from any rank."""
+    ``tokenizer="bytes"``: the files' bytes joined with no separator (vocab 256: every id is a
+    byte value, none is left for an EOS), memory-mapped, so no cache is needed. Otherwise
+    ``tokenizer`` is a directory saved by ``save_pretrained``; each file is one document,
+    followed by the tokenizer's EOS when it has one. With ``cache_dir`` the tokens are written
+    once to ``cache_dir/<key>.bin`` (see ``cache_key``) and memory-mapped on later calls, from
+    any rank."""
     paths = _check_text_paths(paths)
     name = _name(paths)
     if tokenizer == "bytes":
