@@ -19,14 +19,15 @@ def decisions(plan):
 
 def train_once(model, batch, monkeypatch, disable=None, **kw):
     """(loss, {name: grad}, graph) of one ``train_step`` of ``parallelize(copy of model)`` at one
-    process; ``disable``: the name of a pass in ``fxmegatron.compiler`` to turn into a no-op."""
+    process; ``disable``: the name of a pass function in ``fxmegatron.lower.rank_passes`` (which
+    builds the pass list) to turn into a no-op."""
     import copy
 
     import fxmegatron
-    import fxmegatron.compiler
+    import fxmegatron.lower.rank_passes
     with monkeypatch.context() as mp:
         if disable:
-            mp.setattr(fxmegatron.compiler, disable, lambda gm, *args: 0)
+            mp.setattr(fxmegatron.lower.rank_passes, disable, lambda gm, *args: 0)
         pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, **kw)
     loss = pm.train_step(batch)
     return loss, {n: p.grad for n, p in pm.named_parameters()}, pm.graph_module.graph
