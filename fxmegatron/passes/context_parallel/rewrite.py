@@ -1,4 +1,6 @@
-"""The graph of one cp rank from a ``CPPlan``: takes, attention, sums and local sizes."""
+"""The graph of one cp rank from a ``CPPlan``: takes, attention, sums and local sizes. A take
+(whole -> this rank's chunks) and a sum (partial -> whole) are the redistribution table's
+rows for axis "cp" (``passes.redistribute``)."""
 from __future__ import annotations
 
 import operator
@@ -6,8 +8,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxmegatron.ops.context_parallel import cp_attention, cp_count, cp_sum, cp_take
+from fxmegatron.ops.context_parallel import cp_attention, cp_count
 from fxmegatron.passes.context_parallel.propagate import CPPlan
+from fxmegatron.passes.redistribute import Site, find
 from fxmegatron.passes.tensor_parallel.nodes import arg
 
 aten = torch.ops.aten
@@ -25,15 +28,17 @@ def _call(gm, fn, args, like: fx.Node, after: fx.Node = None, before: fx.Node = 
 def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, group_name: str, variant: str):
     cp, seq = plan.cp, plan.seq
     made = {}
+    take, total = find("cp", "R->S", "S->P"), find("cp", "P->R", "R->R")     # cp_take, cp_sum
     for (a, consumer), s in plan.takes.items():
         key = (a, s.dim, s.inner)
         if key not in made:     # takes are recorded in graph order: the first consumer comes first
-            made[key] = _call(gm, cp_take, (a, s.dim, s.inner, seq, cp, rank), consumer, before=consumer)
+            site = Site(rank, cp, group_name, s.dim, s.inner, seq)
+            made[key] = _call(gm, take.op, take.args(a, site), consumer, before=consumer)
         consumer.replace_input_with(a, made[key])
     summed = {}
     for a, consumer in sorted(plan.sums, key=lambda e: e[1].name):
         if a not in summed:
-            summed[a] = _call(gm, cp_sum, (a, group_name), a, after=a)
+            summed[a] = _call(gm, total.op, total.args(a, Site(rank, cp, group_name)), a, after=a)
         consumer.replace_input_with(a, summed[a])
     for node, (i, d) in plan.sizes.items():
         sizes = list(node.args[i])
