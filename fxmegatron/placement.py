@@ -10,7 +10,7 @@ tensor, how it is split. docs/ENGINE.md: the one placement engine this is the ba
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -133,6 +133,18 @@ def join_shards(shards, plc: Placement) -> torch.Tensor:
     per_rank = [torch.split(s, [b // world for b in plc.blocks], plc.dim) for s in shards]
     segs = [torch.cat([per_rank[r][i] for r in range(world)], plc.dim) for i in range(len(plc.blocks))]
     return torch.cat(segs, plc.dim)
+
+
+def take_layout(full: torch.Tensor, layout: Placements, coords: Mapping[str, Tuple[int, int]]) -> torch.Tensor:
+    """The local piece of ``full`` for the rank at ``coords`` ({axis: (rank, size)}): cut along
+    every axis the layout shards it over, in the layout's axis order (an axis missing from
+    ``coords``, or of size 1, cuts nothing)."""
+    out = full
+    for axis in layout.sharded():
+        rank, world = coords.get(axis, (0, 1))
+        if world > 1:
+            out = take_shard(out, layout.on(axis), rank, world)
+    return out
 
 
 def local_shape(shape, plc: Placement, world: int):

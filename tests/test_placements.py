@@ -18,7 +18,7 @@ from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import plan_context_parallel
 from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq, from_placement, to_placement
 from fxmegatron.passes.tensor_parallel import plan_tensor_parallel
-from fxmegatron.placement import P, Partial, Placements, R, Replicate, Shard, join_shards, take_shard
+from fxmegatron.placement import P, Partial, Placements, R, Replicate, Shard, join_shards, take_layout, take_shard
 from tests.families import FAMILIES, make_batch
 
 
@@ -93,3 +93,38 @@ def test_every_planned_placement_round_trips(name):
     tp_plan = plan_tensor_parallel(copy.deepcopy(cap.gm), 2, cap.params.keys(), True)
     for p in tp_plan.node_plc.values():     # tp's placements are the per-axis vocabulary as they are
         assert Placements.of(tp=p).on("tp") == (p if p is not None else R)
+
+
+# ---- reassembly reads the per-axis placement -------------------------------------------------
+def test_take_layout_cuts_over_the_axes_that_shard():
+    import torch
+    full = torch.arange(48.0).reshape(4, 12)
+    qkv = Shard(1, (4, 4, 4))
+    for world in (1, 2, 4):
+        pieces = [take_layout(full, Placements.of(tp=qkv), {"tp": (r, world), "dp": (0, 2)}) for r in range(world)]
+        assert torch.equal(join_shards(pieces, qkv), full)
+        assert all(torch.equal(p, take_shard(full, qkv, r, world)) for r, p in enumerate(pieces))
+    assert take_layout(full, Placements(), {"tp": (1, 2)}) is full
+    assert take_layout(full, Placements.of(tp=Shard(0)), {}) is full     # an axis not in the mesh cuts nothing
+
+
+def test_gather_layout_on_axes_of_one_copies_and_refuses_a_partial():
+    import torch
+    from fxmegatron.mesh import Axis
+    from fxmegatron.runtime.gather import gather_layout
+    x = torch.ones(2, 3)
+    axes = {"tp": Axis(), "cp": Axis()}
+    for lay in (Placements(), Placements.of(tp=Shard(1))):
+        y = gather_layout(x, lay, axes)
+        assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    with pytest.raises(ValueError, match="partial"):
+        gather_layout(x, Placements.of(tp=P), axes)
+
+
+def test_a_programs_parameter_layout_is_its_tp_placement():
+    from fxmegatron.program import RankProgram
+    prog = RankProgram.__new__(RankProgram)          # the two fields param_layout reads
+    object.__setattr__(prog, "placements", {"w": Shard(0), "b": R})
+    object.__setattr__(prog, "aliases", {"tied": "w"})
+    assert prog.param_layout("w") == prog.param_layout("tied") == Placements.of(tp=Shard(0))
+    assert prog.param_layout("b") == prog.param_layout("missing") == Placements()
