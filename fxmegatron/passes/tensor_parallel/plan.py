@@ -3,7 +3,7 @@ and the signal a rule raises when it learnt a constraint (``Restart``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Set, Tuple
+from typing import Dict, Iterator, NamedTuple, Optional, Set, Tuple
 
 import torch.fx as fx
 
@@ -18,6 +18,25 @@ class Restart(Exception):
 class Decision:
     kind: str          # column | row | replicated | vocab
     reason: str = ""
+
+
+class Edge(NamedTuple):
+    """One planned change of placement on the tp axis: ``value`` as ``consumers`` read it, by
+    the redistribution table's row (``passes.redistribute``: forward, the gradient's) along
+    ``dim`` (None for f and g)."""
+
+    value: fx.Node
+    consumers: Set[fx.Node]
+    forward: str
+    backward: str
+    dim: Optional[int]
+
+
+# every kind of edge of a plan is one row of the redistribution table, in the order the
+# rewrite inserts them (node names follow that order: the pinned plans depend on it)
+EDGE_KINDS = (("g_edges", "P->R", "R->R"), ("scatter_edges", "P->S", "S->R"), ("gather_edges", "S->R", "P->S"),
+              ("gather_full_edges", "S->R", "R->S"), ("split_edges", "R->S", "S->R"), ("f_edges", "R->R", "P->R"),
+              ("slice_edges", "R->S", "S->P"))
 
 
 @dataclass
@@ -44,3 +63,15 @@ class TPPlan:
     row_bias: Set[fx.Node] = field(default_factory=set)
     sequence_parallel: bool = False
     attempts: int = 0
+
+    def edges(self) -> Iterator[Edge]:
+        """Every planned change of placement, kind by kind in ``EDGE_KINDS`` order."""
+        for kind, forward, backward in EDGE_KINDS:
+            for key, v in getattr(self, kind).items():
+                if kind == "slice_edges":
+                    (src, dim), users = key, v
+                elif kind in ("g_edges", "f_edges"):
+                    src, dim, users = key, None, v
+                else:
+                    src, (dim, users) = key, v
+                yield Edge(src, users, forward, backward, dim)

@@ -119,25 +119,17 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
             out.meta["val"] = red.meta["val"]
         return mark(out, red.meta["placement"])
 
-    reduced = {}
-    for src, users in plan.g_edges.items():
-        red = reduced[src] = with_bias(src, redistribute(src, "P->R", "R->R", R), False)      # g
-        rewire(src, red, users)
-    for src, (dim, users) in plan.scatter_edges.items():
-        sc = with_bias(src, redistribute(src, "P->S", "S->R", Shard(dim), dim), True)
-        rewire(src, sc, users)
-    for src, (dim, users) in plan.gather_edges.items():
-        if users:
-            rewire(src, redistribute(src, "S->R", "P->S", R, dim), users)      # into column matmuls
-    for src, (dim, users) in plan.gather_full_edges.items():
-        rewire(src, redistribute(src, "S->R", "R->S", R, dim), users)
-    for src, (dim, users) in plan.split_edges.items():
-        rewire(src, redistribute(src, "R->S", "S->R", Shard(dim), dim), users)
-    for src, users in plan.f_edges.items():
-        src2 = reduced.get(src, src)
-        rewire(src2, redistribute(src2, "R->R", "P->R", R), users)        # f
-    for (src, dim), users in plan.slice_edges.items():
-        rewire(src, redistribute(src, "R->S", "S->P", Shard(dim), dim), users)
+    reduced = {}        # a partial sum -> its g: an f of the same value follows the g
+    for e in plan.edges():
+        if not e.consumers:     # a gather the matmul rule moved to a whole gather (rules/matmul.py)
+            continue
+        src = reduced.get(e.value, e.value) if e.forward == "R->R" else e.value
+        new = redistribute(src, e.forward, e.backward, R if e.forward.endswith("R") else Shard(e.dim), e.dim)
+        if e.forward.startswith("P->"):     # a row-parallel bias is added after the reduction
+            new = with_bias(src, new, e.forward == "P->S")
+            if e.forward == "P->R":
+                reduced[src] = new
+        rewire(src, new, e.consumers)
     for (node, i), (dim, spans, f_here) in plan.head_slices.items():
         # the kv heads this rank's query heads use, out of a key/value every rank holds whole
         # (last: the input may have been reduced or gathered for this attention above)
