@@ -97,3 +97,27 @@ def test_every_kind_of_tp_edge_is_a_row_and_a_plan_lists_its_edges():
     assert {("R->R", "P->R"), ("P->S", "S->R"), ("S->R", "P->S")} <= counts, counts     # f, sp's g and f
     assert len(edges) == sum(len(getattr(plan, k)) for k, _, _ in EDGE_KINDS)
     assert all((e.dim is None) == (e.forward == "R->R" or e.forward == "P->R") for e in edges)
+
+
+def test_a_cp_plan_lists_its_takes_and_sums_as_edges():
+    import copy
+
+    from fxmegatron.capture import capture
+    from fxmegatron.passes.attention_rewrites import attention_rewrites
+    from fxmegatron.passes.context_parallel import plan_context_parallel
+    from tests.families import FAMILIES, make_batch
+    fam = FAMILIES["llama"]
+    cap = capture(fam.build(1), make_batch(fam, 0))
+    gm = copy.deepcopy(cap.gm)
+    attention_rewrites(gm)
+    plan = plan_context_parallel(gm, 2, cap.params.keys())
+    edges = list(plan.edges())
+    takes = [e for e in edges if e.forward == "R->S"]
+    sums = [e for e in edges if e.forward == "P->R"]
+    assert takes and sums and edges == takes + sums            # takes first, as the rewrite inserts them
+    assert all(e.axis == "cp" and find("cp", e.forward, e.backward) for e in edges)
+    assert sum(len(e.consumers) for e in takes) == len(plan.takes)
+    assert sum(len(e.consumers) for e in sums) == len(plan.sums)
+    assert len({(e.value, e.dim, e.inner) for e in takes}) == len(takes)
+    for e in sums:
+        assert [c.name for c in e.consumers] == sorted(c.name for c in e.consumers)

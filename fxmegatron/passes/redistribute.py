@@ -19,7 +19,7 @@ docs/ENGINE.md: where this stands in the one placement engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Collection, Dict, NamedTuple, Optional, Tuple
 
 from fxmegatron.ops.collectives import (all_gather_seq, copy_to_tp, gather_seq, local_shard, reduce_from_tp,
                                         scatter_seq, split_seq)
@@ -57,6 +57,21 @@ class Redistribution:
     def communicates(self) -> bool:
         """Whether the value or its gradient moves between ranks."""
         return self.forward in COMMUNICATING or self.backward in COMMUNICATING
+
+
+class Edge(NamedTuple):
+    """One planned change of placement: ``value`` as ``consumers`` read it, on ``axis``, by
+    the table's row for (``forward``, ``backward``), along ``dim`` (None for f and g; with
+    ``inner`` for cp's chunks). Plans list them (``TPPlan.edges``, ``CPPlan.edges``) in the
+    order their rewrites insert them."""
+
+    axis: str
+    value: object                   # an fx.Node
+    consumers: Collection           # fx.Nodes, in the order they are rewired
+    forward: str
+    backward: str
+    dim: Optional[int] = None
+    inner: int = 1
 
 
 TABLE: Dict[Tuple[str, str, str], Redistribution] = {}

@@ -27,19 +27,15 @@ def _call(gm, fn, args, like: fx.Node, after: fx.Node = None, before: fx.Node = 
 
 def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, group_name: str, variant: str):
     cp, seq = plan.cp, plan.seq
-    made = {}
-    take, total = find("cp", "R->S", "S->P"), find("cp", "P->R", "R->R")     # cp_take, cp_sum
-    for (a, consumer), s in plan.takes.items():
-        key = (a, s.dim, s.inner)
-        if key not in made:     # takes are recorded in graph order: the first consumer comes first
-            site = Site(rank, cp, group_name, s.dim, s.inner, seq)
-            made[key] = _call(gm, take.op, take.args(a, site), consumer, before=consumer)
-        consumer.replace_input_with(a, made[key])
-    summed = {}
-    for a, consumer in sorted(plan.sums, key=lambda e: e[1].name):
-        if a not in summed:
-            summed[a] = _call(gm, total.op, total.args(a, Site(rank, cp, group_name)), a, after=a)
-        consumer.replace_input_with(a, summed[a])
+    for e in plan.edges():      # takes (cp_take), then sums (cp_sum)
+        red = find("cp", e.forward, e.backward)
+        args = red.args(e.value, Site(rank, cp, group_name, e.dim, e.inner, seq))
+        if e.forward == "R->S":     # before the first consumer (the value may be a graph input)
+            new = _call(gm, red.op, args, e.consumers[0], before=e.consumers[0])
+        else:
+            new = _call(gm, red.op, args, e.value, after=e.value)
+        for consumer in e.consumers:
+            consumer.replace_input_with(e.value, new)
     for node, (i, d) in plan.sizes.items():
         sizes = list(node.args[i])
         if sizes[d] != -1:

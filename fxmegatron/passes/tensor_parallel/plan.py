@@ -3,10 +3,11 @@ and the signal a rule raises when it learnt a constraint (``Restart``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, NamedTuple, Optional, Set, Tuple
+from typing import Dict, Iterator, Set, Tuple
 
 import torch.fx as fx
 
+from fxmegatron.passes.redistribute import Edge
 from fxmegatron.placement import Placement
 
 
@@ -18,18 +19,6 @@ class Restart(Exception):
 class Decision:
     kind: str          # column | row | replicated | vocab
     reason: str = ""
-
-
-class Edge(NamedTuple):
-    """One planned change of placement on the tp axis: ``value`` as ``consumers`` read it, by
-    the redistribution table's row (``passes.redistribute``: forward, the gradient's) along
-    ``dim`` (None for f and g)."""
-
-    value: fx.Node
-    consumers: Set[fx.Node]
-    forward: str
-    backward: str
-    dim: Optional[int]
 
 
 # every kind of edge of a plan is one row of the redistribution table, in the order the
@@ -74,4 +63,4 @@ class TPPlan:
                     src, dim, users = key, None, v
                 else:
                     src, (dim, users) = key, v
-                yield Edge(src, users, forward, backward, dim)
+                yield Edge("tp", src, users, forward, backward, dim)
