@@ -1,22 +1,35 @@
-"""How a tensor is laid out across the tensor-parallel group.
+"""How a tensor is laid out across the ranks of one mesh axis, and over all of them.
 
-Placements are plain data stored on graph nodes (``node.meta["placement"]``),
-so a dump can print, for every tensor, how it is split.
+A ``Placement`` says how a value lies over the ranks of one axis: ``Replicate``,
+``Shard(dim)`` (a sequence shard of context parallelism included: ``Shard(dim, seq_inner=i)``,
+load-balanced chunks) or ``Partial``. ``Placements`` is a value's layout on the whole mesh:
+a placement per axis, an axis not named being Replicate. Placements are plain data stored
+on graph nodes (``node.meta["placement"]``: the tp axis), so a dump can print, for every
+tensor, how it is split. docs/ENGINE.md: the one placement engine this is the base of.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 
 
 @dataclass(frozen=True)
 class Replicate:
-    """Every rank holds the whole tensor."""
+    """Every rank holds the whole tensor.
+
+    ``seq``: (dim, inner) where a whole value's sequence lies, dim laid out [outer, S, inner]
+    (context parallelism knows it for the batch's inputs and what is computed from them: a
+    cut along it takes no communication). None: not known, or not asked for."""
+
+    seq: Optional[Tuple[int, int]] = None
 
     def __str__(self):
-        return "R"
+        if self.seq is None:
+            return "R"
+        d, inner = self.seq
+        return f"R(seq@{d}{'' if inner == 1 else f', inner={inner}'})"
 
 
 @dataclass(frozen=True)
@@ -26,21 +39,31 @@ class Shard:
     ``blocks``: when ``dim`` is a concatenation of segments (a fused QKV
     projection that is later ``split``), each segment is sharded on its own, so
     rank r holds slice r of every segment, concatenated.
+
+    ``seq_inner``: a sequence shard of context parallelism. ``dim`` is laid out as [outer,
+    S, inner] (``inner`` = seq_inner; a flattened batch and sequence has 1), S is cut in 2·n
+    chunks and rank r of n holds chunks r and 2·n−1−r, in that order (load-balanced causal
+    attention). None: rank r holds the r-th contiguous slice.
     """
 
     dim: int
     blocks: Optional[Tuple[int, ...]] = None
+    seq_inner: Optional[int] = None
 
     def __str__(self):
+        if self.seq_inner is not None:
+            return f"S({self.dim}, seq{'' if self.seq_inner == 1 else f' inner={self.seq_inner}'})"
         return f"S({self.dim})" if self.blocks is None else f"S({self.dim}, blocks={list(self.blocks)})"
 
 
 @dataclass(frozen=True)
 class Partial:
-    """Every rank holds a summand; the tensor is the sum over ranks."""
+    """Every rank holds a summand; the tensor is the reduction (``op``) over ranks."""
+
+    op: str = "sum"
 
     def __str__(self):
-        return "P(sum)"
+        return f"P({self.op})"
 
 
 Placement = Union[Replicate, Shard, Partial]
@@ -48,8 +71,39 @@ R = Replicate()
 P = Partial()
 
 
+@dataclass(frozen=True)
+class Placements:
+    """A value's layout on the mesh: its placement per axis ("tp", "cp", ...). An axis it
+    does not name holds it replicated; ``Placements.of`` leaves plain ``R`` out, so two
+    layouts are equal exactly when every axis places the value alike."""
+
+    axes: Tuple[Tuple[str, Placement], ...] = ()
+
+    @staticmethod
+    def of(**by_axis: Optional[Placement]) -> "Placements":
+        """The layout from a placement per axis (None or plain R: replicated there)."""
+        return Placements(tuple(sorted((a, p) for a, p in by_axis.items() if p is not None and p != R)))
+
+    def on(self, axis: str) -> Placement:
+        """The placement on ``axis`` (R where none is named)."""
+        return dict(self.axes).get(axis, R)
+
+    def with_axis(self, axis: str, plc: Optional[Placement]) -> "Placements":
+        """This layout with ``axis`` placed as ``plc``."""
+        return Placements.of(**{**dict(self.axes), axis: plc})
+
+    def sharded(self) -> Tuple[str, ...]:
+        """The axes over which the value is cut (each rank holds a piece)."""
+        return tuple(a for a, p in self.axes if isinstance(p, Shard))
+
+    def __str__(self):
+        return " ".join(f"{a}:{p}" for a, p in self.axes) or "R"
+
+
 def shard_slices(size: int, plc: Shard, rank: int, world: int):
     """(start, length) ranges of ``dim`` that rank ``rank`` holds, in order."""
+    if plc.seq_inner is not None:     # its chunks need the sequence length, which the placement does not hold
+        raise ValueError(f"{plc}: a sequence shard's pieces are cut by fxmegatron.ops.context_parallel.cp_take")
     blocks = plc.blocks or (size,)
     out, base = [], 0
     for b in blocks:
@@ -72,11 +126,25 @@ def join_shards(shards, plc: Placement) -> torch.Tensor:
     if not isinstance(plc, Shard):
         return shards[0]
     world = len(shards)
+    if plc.seq_inner is not None:
+        raise ValueError(f"{plc}: a sequence shard's chunks are put back in order by fxmegatron.verify.context")
     if plc.blocks is None:
         return torch.cat(list(shards), plc.dim)
     per_rank = [torch.split(s, [b // world for b in plc.blocks], plc.dim) for s in shards]
     segs = [torch.cat([per_rank[r][i] for r in range(world)], plc.dim) for i in range(len(plc.blocks))]
     return torch.cat(segs, plc.dim)
+
+
+def take_layout(full: torch.Tensor, layout: Placements, coords: Mapping[str, Tuple[int, int]]) -> torch.Tensor:
+    """The local piece of ``full`` for the rank at ``coords`` ({axis: (rank, size)}): cut along
+    every axis the layout shards it over, in the layout's axis order (an axis missing from
+    ``coords``, or of size 1, cuts nothing)."""
+    out = full
+    for axis in layout.sharded():
+        rank, world = coords.get(axis, (0, 1))
+        if world > 1:
+            out = take_shard(out, layout.on(axis), rank, world)
+    return out
 
 
 def local_shape(shape, plc: Placement, world: int):

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.pipeline_split import Chunk, param_holders
-from fxmegatron.placement import Placement, R
+from fxmegatron.placement import Placement, Placements, R
 from fxmegatron.lower.stages import Stage
 from fxmegatron.schedules import Schedule
 from fxmegatron.schedules.runtime import TensorSpec
@@ -89,6 +89,15 @@ class RankProgram:
 
     def placement(self, name: str) -> Placement:
         return self.placements.get(self.aliases.get(name, name), R)
+
+    def param_layout(self, name: str) -> Placements:
+        """Parameter ``name``'s placement per mesh axis (split over tp only, today: every other
+        axis holds it whole, or not at all: pp)."""
+        return Placements.of(tp=self.placement(name))
+
+    def coords(self) -> Dict[str, Tuple[int, int]]:
+        """{axis: (this rank, the axis's size)}."""
+        return {d: (a.rank, a.size) for d, a in self.axes.items()}
 
     def size(self, dim: str) -> int:
         return self.axes[dim].size

@@ -8,8 +8,8 @@
   folder is then renamed to ``DIR``. A folder without an index is never loaded,
   so a save that dies half-way cannot be taken for a complete one.
 * **Reshardable**: a tensor is reassembled from the saved tp pieces (``join_shards``)
-  and cut for the loading layout (``take_shard``), so a checkpoint saved at one
-  (dp, pp, tp) loads at another.
+  and cut for the loading layout (``take_layout``: the parameter's placement per mesh
+  axis), so a checkpoint saved at one (dp, pp, tp) loads at another.
 * **No pickles**: safetensors and JSON only; loading executes no stored code.
 * **Checked**: ``index.json`` records each shard's sha256 and size, checked when a rank first
   reads from the shard; the checkpoint's parameters are compared with the model's (names and
@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fxmegatron.errors import CheckpointError
-from fxmegatron.placement import join_shards, placement_from_json, placement_to_json, take_shard
+from fxmegatron.placement import join_shards, placement_from_json, placement_to_json, take_layout
 from fxmegatron.ops.dropout import DropoutRng
 
 FORMAT = "fxmegatron-checkpoint/1"
@@ -246,7 +246,7 @@ class _Reader:
         if tuple(full.shape) != tuple(want):
             raise CheckpointError(f"{self.directory}: {key}: the checkpoint's shape {tuple(full.shape)} differs "
                                   f"from the model's {tuple(want)}")
-        return take_shard(full, pm.placement(name), pm.tp_rank, pm.tp_size)
+        return take_layout(full, pm.program.param_layout(name), pm.program.coords())
 
     def check_model(self, pm) -> None:
         """CheckpointError, before anything is loaded, when the checkpoint's parameters are not the

@@ -1,4 +1,4 @@
-"""Whole tensors from shards: over tp by placement, over pp from the stage that holds them,
+"""Whole tensors from shards: over every axis a layout shards them over (tp today), over pp from the stage that holds them,
 and the gradient sum of weights that several pipeline stages use."""
 from __future__ import annotations
 
@@ -9,16 +9,31 @@ import torch
 import torch.distributed as dist
 
 from fxmegatron.mesh import Axis
-from fxmegatron.placement import Placement, R, join_shards
+from fxmegatron.placement import Partial, Placement, Placements, R, join_shards
 
 
 def gather_tp(local: torch.Tensor, plc: Placement, tp: Axis) -> torch.Tensor:
-    """The whole tensor from each tp rank's shard (a copy when replicated)."""
+    """The whole tensor from each rank's shard over one axis (tp, by name only: any axis's
+    ``Axis`` serves); a copy when replicated."""
     if tp.size == 1 or plc == R:
         return local.detach().clone()
     parts = [torch.empty_like(local) for _ in range(tp.size)]
     dist.all_gather(parts, local.detach().contiguous(), group=tp.group)
     return join_shards(parts, plc)
+
+
+def gather_layout(local: torch.Tensor, layout: Placements, axes: Mapping[str, Axis]) -> torch.Tensor:
+    """The whole tensor from every rank's piece, gathered over each axis the layout shards it
+    over (the reverse of ``placement.take_layout``: last cut, first joined); a copy when none
+    does. A partial value is not a piece of a whole one: refused."""
+    if any(isinstance(p, Partial) for _, p in layout.axes):
+        raise ValueError(f"{layout}: a partial value has no whole tensor to gather")
+    out = local
+    for axis in reversed(layout.sharded()):
+        ax = axes.get(axis)
+        if ax is not None and ax.size > 1:
+            out = gather_tp(out, layout.on(axis), ax)
+    return local.detach().clone() if out is local else out
 
 
 def gather_stages(mine: Mapping[str, torch.Tensor], order: Sequence[str],

@@ -19,7 +19,7 @@ from fxmegatron.program import RankProgram
 from fxmegatron.runtime.async_tp_guard import check_no_async_tp
 from fxmegatron.runtime.batch_check import check_same_batch
 from fxmegatron.runtime.data_parallel import GradSync, check_same_weights
-from fxmegatron.runtime.gather import gather_stages, gather_tp, sum_shared_grads
+from fxmegatron.runtime.gather import gather_layout, gather_stages, sum_shared_grads
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
 from fxmegatron.runtime.logits import LogitsForward
@@ -328,8 +328,8 @@ class ParallelModel(nn.Module):
         """Whole parameters under every name the unmodified model uses, tied names
         included, on every rank: loads into the unmodified model with strict=True.
         Collective over tp and pp: every rank must call it."""
-        tp = self.program.axes["tp"]
-        out = {n: gather_tp(p, self.placement(n), tp) for n, p in self.named_parameters()}
+        ax, layout = self.program.axes, self.program.param_layout
+        out = {n: gather_layout(p, layout(n), ax) for n, p in self.named_parameters()}
         if self._runner is not None and self.pp_size > 1:
             out = gather_stages(out, self.program.param_order, self.program.global_params, self._holders,
                                 self.program.axes["pp"], self.program.device)
@@ -340,8 +340,8 @@ class ParallelModel(nn.Module):
 
     def full_grads(self) -> Dict[str, torch.Tensor]:
         """Whole gradients of this rank's parameters (collective over tp)."""
-        tp = self.program.axes["tp"]
-        return {n: gather_tp(p.grad, self.placement(n), tp) for n, p in self.named_parameters()
+        ax, layout = self.program.axes, self.program.param_layout
+        return {n: gather_layout(p.grad, layout(n), ax) for n, p in self.named_parameters()
                 if p.grad is not None}
 
     def dump(self, directory: str) -> None:

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from fxmegatron.placement import P, Placement, R, Replicate, Shard
+
 
 @dataclass(frozen=True)
 class Seq:
@@ -59,3 +61,33 @@ def seq_through_view(in_shape: Sequence[int], s: Seq, out_shape: Sequence[int], 
 
 def local_size(size: int, cp: int) -> int:
     return size // cp
+
+
+def to_placement(p):
+    """The per-axis placement (``fxmegatron.placement``) on the cp axis of a cp placement:
+    this rank's chunks ``Seq(d, i)`` -> ``Shard(d, seq_inner=i)``; a whole value whose sequence
+    is known ``Seq(d, i, split=False)`` -> ``Replicate(seq=(d, i))``; ``WHOLE`` -> R;
+    ``PARTIAL`` -> P; a tuple (an op of several outputs) element by element."""
+    if isinstance(p, tuple):
+        return tuple(to_placement(x) for x in p)
+    if isinstance(p, Seq):
+        return Shard(p.dim, seq_inner=p.inner) if p.split else Replicate(seq=(p.dim, p.inner))
+    if p is WHOLE:
+        return R
+    if p is PARTIAL:
+        return P
+    raise ValueError(f"not a context-parallel placement: {p!r}")
+
+
+def from_placement(p: Placement):
+    """The inverse of ``to_placement``; a placement cp never makes (a plain shard, a partial
+    other than a sum) is refused."""
+    if isinstance(p, tuple):
+        return tuple(from_placement(x) for x in p)
+    if isinstance(p, Shard) and p.seq_inner is not None and p.blocks is None:
+        return Seq(p.dim, p.seq_inner, True)
+    if isinstance(p, Replicate):
+        return WHOLE if p.seq is None else Seq(p.seq[0], p.seq[1], False)
+    if p == P:
+        return PARTIAL
+    raise ValueError(f"context parallelism has no placement {p}")

@@ -14,7 +14,7 @@ node, its module path and why: context parallelism never guesses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Set, Tuple
+from typing import Dict, Iterator, List, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -23,6 +23,7 @@ from fxmegatron.errors import ShardingError
 from fxmegatron.passes.context_parallel import rules, rules_compute
 from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq
 from fxmegatron.passes.context_parallel.registry import rule_for
+from fxmegatron.passes.redistribute import Edge
 from fxmegatron.passes.tensor_parallel.nodes import packet, val, where
 
 aten = torch.ops.aten
@@ -42,6 +43,20 @@ class CPPlan:
     attention: List[fx.Node] = field(default_factory=list)
     mean_losses: Dict[fx.Node, int] = field(default_factory=dict)          # loss -> ignore_index
     mean_divisor: Dict[fx.Node, int] = field(default_factory=dict)         # mean over the sequence -> /cp
+
+    def edges(self) -> Iterator[Edge]:
+        """The takes (one per value, dim and inner, its consumers in graph order) then the sums
+        (a value's consumers by name), as changes of placement on the cp axis."""
+        takes: Dict[tuple, List[fx.Node]] = {}
+        for (a, consumer), s in self.takes.items():
+            takes.setdefault((a, s.dim, s.inner), []).append(consumer)
+        for (a, dim, inner), users in takes.items():
+            yield Edge("cp", a, users, "R->S", "S->P", dim, inner)
+        sums: Dict[fx.Node, List[fx.Node]] = {}
+        for a, consumer in sorted(self.sums, key=lambda e: e[1].name):
+            sums.setdefault(a, []).append(consumer)
+        for a, users in sums.items():
+            yield Edge("cp", a, users, "P->R", "R->R")
 
 
 class State:

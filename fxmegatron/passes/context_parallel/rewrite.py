@@ -1,4 +1,6 @@
-"""The graph of one cp rank from a ``CPPlan``: takes, attention, sums and local sizes."""
+"""The graph of one cp rank from a ``CPPlan``: takes, attention, sums and local sizes. A take
+(whole -> this rank's chunks) and a sum (partial -> whole) are the redistribution table's
+rows for axis "cp" (``passes.redistribute``)."""
 from __future__ import annotations
 
 import operator
@@ -6,8 +8,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxmegatron.ops.context_parallel import cp_attention, cp_count, cp_sum, cp_take
+from fxmegatron.ops.context_parallel import cp_attention, cp_count
 from fxmegatron.passes.context_parallel.propagate import CPPlan
+from fxmegatron.passes.redistribute import Site, find
 from fxmegatron.passes.tensor_parallel.nodes import arg
 
 aten = torch.ops.aten
@@ -24,17 +27,15 @@ def _call(gm, fn, args, like: fx.Node, after: fx.Node = None, before: fx.Node = 
 
 def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, group_name: str, variant: str):
     cp, seq = plan.cp, plan.seq
-    made = {}
-    for (a, consumer), s in plan.takes.items():
-        key = (a, s.dim, s.inner)
-        if key not in made:     # takes are recorded in graph order: the first consumer comes first
-            made[key] = _call(gm, cp_take, (a, s.dim, s.inner, seq, cp, rank), consumer, before=consumer)
-        consumer.replace_input_with(a, made[key])
-    summed = {}
-    for a, consumer in sorted(plan.sums, key=lambda e: e[1].name):
-        if a not in summed:
-            summed[a] = _call(gm, cp_sum, (a, group_name), a, after=a)
-        consumer.replace_input_with(a, summed[a])
+    for e in plan.edges():      # takes (cp_take), then sums (cp_sum)
+        red = find("cp", e.forward, e.backward)
+        args = red.args(e.value, Site(rank, cp, group_name, e.dim, e.inner, seq))
+        if e.forward == "R->S":     # before the first consumer (the value may be a graph input)
+            new = _call(gm, red.op, args, e.consumers[0], before=e.consumers[0])
+        else:
+            new = _call(gm, red.op, args, e.value, after=e.value)
+        for consumer in e.consumers:
+            consumer.replace_input_with(e.value, new)
     for node, (i, d) in plan.sizes.items():
         sizes = list(node.args[i])
         if sizes[d] != -1:

@@ -3,10 +3,11 @@ and the signal a rule raises when it learnt a constraint (``Restart``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Set, Tuple
+from typing import Dict, Iterator, Set, Tuple
 
 import torch.fx as fx
 
+from fxmegatron.passes.redistribute import Edge
 from fxmegatron.placement import Placement
 
 
@@ -18,6 +19,13 @@ class Restart(Exception):
 class Decision:
     kind: str          # column | row | replicated | vocab
     reason: str = ""
+
+
+# every kind of edge of a plan is one row of the redistribution table, in the order the
+# rewrite inserts them (node names follow that order: the pinned plans depend on it)
+EDGE_KINDS = (("g_edges", "P->R", "R->R"), ("scatter_edges", "P->S", "S->R"), ("gather_edges", "S->R", "P->S"),
+              ("gather_full_edges", "S->R", "R->S"), ("split_edges", "R->S", "S->R"), ("f_edges", "R->R", "P->R"),
+              ("slice_edges", "R->S", "S->P"))
 
 
 @dataclass
@@ -44,3 +52,15 @@ class TPPlan:
     row_bias: Set[fx.Node] = field(default_factory=set)
     sequence_parallel: bool = False
     attempts: int = 0
+
+    def edges(self) -> Iterator[Edge]:
+        """Every planned change of placement, kind by kind in ``EDGE_KINDS`` order."""
+        for kind, forward, backward in EDGE_KINDS:
+            for key, v in getattr(self, kind).items():
+                if kind == "slice_edges":
+                    (src, dim), users = key, v
+                elif kind in ("g_edges", "f_edges"):
+                    src, dim, users = key, None, v
+                else:
+                    src, (dim, users) = key, v
+                yield Edge("tp", src, users, forward, backward, dim)

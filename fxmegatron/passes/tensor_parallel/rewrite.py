@@ -3,7 +3,9 @@
 Megatron's f (``copy_to_tp``) where a replicated activation enters a split region, g
 (``reduce_from_tp``) where a partial sum must become whole, sequence parallelism's
 reduce-scatters and gathers, shape arguments of views/expands/splits divided by tp,
-vocab-parallel embedding and loss. The rewritten graph expects parameters to be the
+vocab-parallel embedding and loss. Which function realises a change of placement
+(f, g, a gather, a scatter, a slice) is the redistribution table's (``passes.redistribute``,
+axis "tp"). The rewritten graph expects parameters to be the
 rank's local shards. Every node keeps its placement (``meta["placement"]``), the rule
 that placed it (``meta["tp_rule"]``) and, for matmuls, embeddings and losses, the
 decision (``meta["tp_decision"]``).
@@ -15,9 +17,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxmegatron.ops.collectives import (all_gather_seq, copy_to_tp, gather_seq, local_shard, reduce_from_tp,
-                                        scatter_seq, split_seq)
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from fxmegatron.passes.redistribute import Site, find
 from fxmegatron.passes.tensor_parallel.nodes import arg, packet
 from fxmegatron.passes.tensor_parallel.plan import TPPlan
 from fxmegatron.placement import R, Shard
@@ -84,6 +85,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
         node.meta["tp_decision"] = f"{dec.kind}" + (f": {dec.reason}" if dec.reason else "")
         _rewrite_call(node, plan, rank, group_name)
 
+    def redistribute(src, forward, backward, plc, dim=None):
+        """A node after ``src`` changing its placement (the table's op for the change)."""
+        red = find("tp", forward, backward)
+        return insert_after(src, red.op, red.args(src, Site(rank, tp, group_name, dim)), plc)
+
     def insert_after(src, fn, args, plc, rule="collective"):
         """A node after ``src`` computing (a placement of) the same value."""
         with g.inserting_after(src):
@@ -104,7 +110,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
         if b is None:
             return red
         if f_bias:   # on sequence shards each rank sees part of the bias's gradient
-            b = insert_after(b, copy_to_tp, (b, group_name), R)
+            b = redistribute(b, "R->R", "P->R", R)        # f
         with g.inserting_after(red):
             out = g.call_function(aten.add.Tensor, (red, b))
         out.meta["nn_module_stack"] = red.meta.get("nn_module_stack")
@@ -113,31 +119,23 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
             out.meta["val"] = red.meta["val"]
         return mark(out, red.meta["placement"])
 
-    reduced = {}
-    for src, users in plan.g_edges.items():
-        red = reduced[src] = with_bias(src, insert_after(src, reduce_from_tp, (src, group_name), R), False)
-        rewire(src, red, users)
-    for src, (dim, users) in plan.scatter_edges.items():
-        sc = with_bias(src, insert_after(src, scatter_seq, (src, dim, tp, group_name), Shard(dim)), True)
-        rewire(src, sc, users)
-    for src, (dim, users) in plan.gather_edges.items():
-        if users:
-            rewire(src, insert_after(src, gather_seq, (src, dim, tp, group_name), R), users)
-    for src, (dim, users) in plan.gather_full_edges.items():
-        rewire(src, insert_after(src, all_gather_seq, (src, dim, rank, tp, group_name), R), users)
-    for src, (dim, users) in plan.split_edges.items():
-        rewire(src, insert_after(src, split_seq, (src, dim, rank, tp, group_name), Shard(dim)), users)
-    for src, users in plan.f_edges.items():
-        src2 = reduced.get(src, src)
-        rewire(src2, insert_after(src2, copy_to_tp, (src2, group_name), R), users)
-    for (src, dim), users in plan.slice_edges.items():
-        rewire(src, insert_after(src, local_shard, (src, dim, rank, tp), Shard(dim)), users)
+    reduced = {}        # a partial sum -> its g: an f of the same value follows the g
+    for e in plan.edges():
+        if not e.consumers:     # a gather the matmul rule moved to a whole gather (rules/matmul.py)
+            continue
+        src = reduced.get(e.value, e.value) if e.forward == "R->R" else e.value
+        new = redistribute(src, e.forward, e.backward, R if e.forward.endswith("R") else Shard(e.dim), e.dim)
+        if e.forward.startswith("P->"):     # a row-parallel bias is added after the reduction
+            new = with_bias(src, new, e.forward == "P->S")
+            if e.forward == "P->R":
+                reduced[src] = new
+        rewire(src, new, e.consumers)
     for (node, i), (dim, spans, f_here) in plan.head_slices.items():
         # the kv heads this rank's query heads use, out of a key/value every rank holds whole
         # (last: the input may have been reduced or gathered for this attention above)
         src = x = node.args[i]
         if f_here:
-            x = insert_after(x, copy_to_tp, (x, group_name), R)
+            x = redistribute(x, "R->R", "P->R", R)        # f
         start, length = spans[rank]
         heads = src.meta["val"].shape[dim]
         if (start, length) != (0, heads):
