@@ -21,7 +21,9 @@ mesh with that ``cp_attention`` (--cp-recompute, or a -none/-selective/-full par
 no_restore_buffers=)`` around forward and backward of the unmodified model, replicated on both
 ranks (DDP, gradients summed). The context reorders its buffers head-tail (rank r keeps chunks
 r and 2·cp−1−r of 2·cp, fxmegatron's cut), cuts them in place and sends SDPA's CUDA kernels
-(flash, efficient, cuDNN) through its ring: on CPU the row says "needs CUDA". ``-alltoall``: kv
+(flash, efficient, cuDNN) through its ring: on CPU the row says "needs CUDA". Its loss is cross
+entropy over the model's bf16 logits, compiled (the upcast fused, as fxmegatron's loss rewrite
+does; ``-hfloss``: HF's own loss, which copies the logits to fp32 first). ``-alltoall``: kv
 passed around (``set_rotate_method``) instead of its default all-gather; ``-compile``: decoder
 layers compiled. torch 2.11 and 2.13 share this API (2.13 falls back to an unbalanced cut when
 2·cp does not divide s; 2.11 cannot: 2·cp must divide every --seq here).
@@ -101,13 +103,15 @@ class Layout:
     recompute: str = "none"
     compile: bool = False
     m: int = 1                  # microbatches (run_layout records them)
+    hf_loss: bool = False       # torch: HF's own loss (its fp32 copy of the logits) instead of the compiled one
 
     @property
     def label(self) -> str:
         tail = ", compiled" if self.compile else ""
         if self.kind == "torch":
             return (f"torch context_parallel cp {self.cp}, kv by {self.attention}, model replicated (DDP)"
-                    + (", decoder layers compiled" if self.compile else ""))
+                    + (", decoder layers compiled" if self.compile else "")
+                    + (", HF's loss (fp32 logits copy)" if self.hf_loss else ", compiled bf16-logits loss"))
         if self.cp > 1:
             return f"fxmegatron cp {self.cp}, {self.attention} attention, recompute {self.recompute}{tail}"
         return f"fxmegatron tp {self.tp}{' + sp' if self.sp else ''}, recompute {self.recompute}{tail}"
@@ -118,9 +122,12 @@ def parse_layout(name: str, cp_recompute: str, world: int) -> Layout:
     if head == "torch" and toks[:1] == ["cp"]:
         lay = Layout(name, "torch", cp=world, attention="allgather")
         for t in toks[1:]:
-            if t not in ("alltoall", "compile"):
-                raise ValueError(f"layout {name!r}: unknown part {t!r} (torch-cp[-alltoall][-compile])")
-            lay.attention, lay.compile = ("alltoall", lay.compile) if t == "alltoall" else (lay.attention, True)
+            if t not in ("alltoall", "compile", "hfloss"):
+                raise ValueError(f"layout {name!r}: unknown part {t!r} (torch-cp[-alltoall][-compile][-hfloss])")
+            if t == "hfloss":
+                lay.hf_loss = True
+            else:
+                lay.attention, lay.compile = ("alltoall", lay.compile) if t == "alltoall" else (lay.attention, True)
         return lay
     if head != "fx":
         raise ValueError(f"layout {name!r}: expected fx-cpN-ring|allgather, fx-tpN[-sp][-full] or torch-cp")
@@ -177,6 +184,21 @@ def _no_mask(module, args, kwargs):
         raise RuntimeError("torch-cp: HF built an attention mask; context_parallel's SDPA needs is_causal alone")
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_ce():
+    """The fair loss for the torch rows: cross entropy summed over the tokens, compiled, so the
+    upcast of the bf16 logits is fused into the loss kernels (no fp32 copy of the logits, as
+    fxmegatron's loss rewrite), the usual habit of a user who compiles."""
+    def ce(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                 ignore_index=-100, reduction="sum")
+    return torch.compile(ce, dynamic=False)
+
+
+def _summed_ce(logits, labels):
+    return _compiled_ce()(logits, labels)
+
+
 def build_torch_cp(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
     """The unmodified model under torch's context, and what it is fed: the labels shifted before the
     cut (``shift_labels``: the model's own shift of a rank's two chunks pairs wrong tokens);
@@ -213,8 +235,12 @@ def build_torch_cp(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
         failed = None
         with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[1] * len(bufs), no_restore_buffers=set(bufs)):
             try:
-                loss = ddp(input_ids=ids_, labels=labels, shift_labels=labels, position_ids=pos,
-                           attention_mask=mask, num_items_in_batch=count).loss
+                if lay.hf_loss:
+                    loss = ddp(input_ids=ids_, labels=labels, shift_labels=labels, position_ids=pos,
+                               attention_mask=mask, num_items_in_batch=count).loss
+                else:
+                    logits = ddp(input_ids=ids_, position_ids=pos, attention_mask=mask).logits
+                    loss = _summed_ce(logits, labels) / count
                 loss.backward()
             except Exception as exc:    # noqa: BLE001 -- re-raised below
                 # torch 2.11's context has no try/finally: an error (an OOM) raised through it would

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxmegatron.ops.attention_blocks import block_backward, block_forward, merge
+from fxmegatron.ops.attention_blocks import KERNELS, block_backward, block_forward, merge, merge_
 from fxmegatron.ops.context_attention import (
     Block, Exchange, Gather, Merge, ReduceScatterGrad, ReturnGrad, Wait, attention_plan, chunks_of,
-    cp_attention, describe, load_balanced_index)
+    cp_attention, describe, load_balanced_index, run_forward)
 from fxmegatron.ops.groups import SimulatedComm, SimulatedGroup
 from tests.distributed import run_distributed
 from tests.workers.context_attention import Case, cp_cases, grid, shard_errors
@@ -62,8 +62,18 @@ def blocks(plan):
 
 
 def pairs(plan):
-    """(q chunk, kv chunk, kind) of every chunk pair the plan's blocks compute."""
-    return [(a, b, blk.kind) for blk in blocks(plan) for a in blk.q_chunks for b in blk.kv_chunks]
+    """(q chunk, kv chunk, kind) of every chunk pair the plan's blocks compute: a causal block is
+    the lower triangle of its chunks' concatenation (a chunk against itself causal, against an
+    earlier one of the block full, against a later one nothing)."""
+    out = []
+    for blk in blocks(plan):
+        for i, a in enumerate(blk.q_chunks):
+            for j, b in enumerate(blk.kv_chunks):
+                if blk.kind == "full":
+                    out.append((a, b, "full"))
+                elif i >= j:
+                    out.append((a, b, "causal" if i == j else "full"))
+    return out
 
 
 def work(blk):
@@ -83,7 +93,8 @@ def test_plan_computes_every_needed_pair_once(cp, rank, causal, variant):
     for a, b, kind in got:
         assert kind == ("causal" if causal and a == b else "full")
     for blk in blocks(attention_plan(cp, rank, causal, variant)):
-        assert blk.kind == "full" or (len(blk.q_chunks), len(blk.kv_chunks)) == (1, 1)
+        # a causal block's mask is its local lower triangle: right only where local order is global
+        assert blk.kind == "full" or (blk.q_chunks == blk.kv_chunks and list(blk.q_chunks) == sorted(blk.q_chunks))
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
@@ -122,9 +133,8 @@ def test_allgather_does_the_ring_blocks_without_the_hops(cp):
         if cp > 1:
             assert ag[0] == Gather(cp) and ag[-1] == ReduceScatterGrad()
         assert not any(isinstance(s, (Exchange, Wait)) for s in ag)
-    assert attention_plan(1, 0, True) == [Block(0, 0, (0,), (0,), "causal"), Merge(0, (0,)),
-                                          Block(0, 0, (1,), (0,), "full"), Merge(0, (1,)),
-                                          Block(0, 0, (1,), (1,), "causal"), Merge(0, (1,))]
+    assert attention_plan(1, 0, True) == [Block(0, 0, (0, 1), (0, 1), "causal"), Merge(0, (0, 1))]
+    assert attention_plan(1, 0, False) == [Block(0, 0, (0, 1), (0, 1), "full"), Merge(0, (0, 1))]
 
 
 def test_describe_prints_one_line_per_step():
@@ -132,8 +142,8 @@ def test_describe_prints_one_line_per_step():
     lines = describe(plan).splitlines()
     assert len(lines) == len(plan)
     assert lines[0] == "step 0: post send kv of rank 0 to rank 1 / recv kv of rank 1 from rank 1"
-    assert lines[1] == "step 0: block q[0]·kv[0] causal (kv of rank 0)"
-    assert lines[2] == "step 0: merge into q[0]"
+    assert lines[1] == "step 0: block q[0,3]·kv[0,3] causal (kv of rank 0)"
+    assert lines[2] == "step 0: merge into q[0,3]"
     assert "step 1: block q[3]·kv[1,2] full (kv of rank 1)" in lines
     assert lines[-1].startswith("backward: send dK/dV of rank 1's kv home")
     assert describe(attention_plan(2, 0, False, "allgather")).splitlines()[0] == "all-gather kv of ranks 0..1"
@@ -190,6 +200,23 @@ def test_merge_equals_one_softmax_over_the_concatenation():
 
 
 # ---- the op, one process ----------------------------------------------------------------------
+def test_merge_in_place_equals_merge():
+    g = torch.Generator().manual_seed(5)
+    out, o = (torch.randn(2, 3, 8, 4, generator=g) for _ in range(2))
+    lse, lb = (torch.randn(2, 3, 8, generator=g) for _ in range(2))
+    want_o, want_l = merge(out, lse, o, lb)
+    merge_(out, lse, o, lb)
+    torch.testing.assert_close(out, want_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_l, rtol=1e-6, atol=1e-6)
+
+
+def test_a_plan_that_skips_rows_is_refused():
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    plan = [s for s in attention_plan(1, 0, True) if not isinstance(s, (Block, Merge))]
+    with pytest.raises(RuntimeError, match=r"query chunks \[0, 1\] were never computed"):
+        run_forward(plan, q, k, v, scale=0.5, transport=SimulatedComm(SimulatedGroup(1), 0))
+
+
 def test_cp1_is_sdpa():
     q, k, v = (torch.randn(2, h, 8, 4, requires_grad=True) for h in (4, 2, 2))
     out = cp_attention(q, k, v, is_causal=True, scale=None, group=None, cp=1, rank=0)
@@ -297,12 +324,14 @@ def test_cp_attention_gloo_world4_and_subgroups():
 
 
 # ---- GPU (bf16) -------------------------------------------------------------------------------
-KERNEL_RAN = "error:context-parallel attention. the flash kernel refused"    # no silent math path
+KERNEL_RAN = "error:context-parallel attention. the .* kernel refused"    # no silent fallback
 @pytest.mark.gpu
 @pytest.mark.filterwarnings(KERNEL_RAN)
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("causal,h,hkv", [(True, 4, 2), (False, 4, 4)])
-def test_block_kernels_match_math_in_bf16(causal, h, hkv):
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("causal,h,hkv", [(True, 4, 2), (False, 4, 4), (False, 8, 2)])
+def test_block_kernels_match_math_in_bf16(causal, h, hkv, kernel, monkeypatch):
+    monkeypatch.setenv("FXMEGATRON_CP_KERNELS", kernel)
     g = torch.Generator().manual_seed(3)
     q, dout = (torch.randn(2, h, 128, 64, generator=g).cuda().bfloat16() for _ in range(2))
     k, v = (torch.randn(2, hkv, 128, 64, generator=g).cuda().bfloat16() for _ in range(2))

@@ -142,7 +142,7 @@ def test_torch_cp_feeds_the_model_what_the_plain_model_sees():
     cp_attn = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._attention")
     if not hasattr(cp_attn, "_templated_ring_attention") or not hasattr(cp_attn, "custom_ops"):
         pytest.skip("this torch's context parallelism has no _templated_ring_attention / custom_ops to route through")
-    for got in run_distributed(_torch_cp_on_cpu, 2, ["torch-cp", "torch-cp-alltoall"]):
+    for got in run_distributed(_torch_cp_on_cpu, 2, ["torch-cp", "torch-cp-alltoall", "torch-cp-hfloss"]):
         for layout, (loss, ref, err) in got.items():
             assert loss == pytest.approx(ref, rel=1e-5) and err < 1e-4, (layout, loss, ref, err)
 

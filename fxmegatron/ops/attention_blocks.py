@@ -7,11 +7,12 @@ Shapes: q [B, H, Sq, D]; k, v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h re
 h // (H // Hkv), as SDPA's enable_gqa); out [B, H, Sq, D]; lse [B, H, Sq], always fp32. A causal
 block is a diagonal one (Sq == Sk, top-left aligned): query row i sees key columns 0..i.
 
-On CUDA in fp16/bf16 the fused flash kernels do the work (they return lse); elsewhere, and where
-a kernel refuses, plain torch math in fp32.
+On CUDA in fp16/bf16 a fused kernel does the work (cuDNN's, else flash's; both return lse);
+elsewhere, and where every kernel refuses, plain torch math in fp32.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Tuple
 
@@ -31,25 +32,36 @@ def merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tuple[Tensor, T
     return o, lse
 
 
+def merge_(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+    """``merge`` written into ``out`` (fp32) and ``lse`` in place: views of the accumulators of a
+    rank's rows, so no new [B, H, S, D] buffer per block."""
+    new = torch.logaddexp(lse, l)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).addcmul_(o.float(), torch.exp(l - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
 def block_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q against this block of k, v alone; out in fp32 or q's dtype, lse fp32."""
     if _kernel_ok(q):
-        try:
-            return _flash_forward(q, k, v, causal=causal, scale=scale)
-        except RuntimeError as exc:     # the kernel's own checks (arch, alignment): use math
-            _refused(exc)
+        for name in kernels():
+            try:
+                return _FORWARD[name](q, k, v, causal=causal, scale=scale)
+            except _REFUSALS as exc:     # the kernel's own checks (arch, alignment, cuDNN version)
+                _refused(name, exc)
     return _math_forward(q, k, v, causal=causal, scale=scale)
 
 
 def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                    causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of this block, given the final ``out`` (q's dtype) and ``lse`` of these query
-    rows: dS = P * (dP - rowsum(dO * O)) with P = exp(S * scale - lse). dk, dv have Hkv heads."""
+    rows: dS = P * (dP - rowsum(dO * O)) with P = exp(S * scale - lse). dk, dv have Hkv heads.
+    Any kernel's backward may follow any kernel's forward: the lse is the same quantity."""
     if _kernel_ok(q):
-        try:
-            return _flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-        except RuntimeError as exc:
-            _refused(exc)
+        for name in kernels():
+            try:
+                return _BACKWARD[name](dout, q, k, v, out, lse, causal=causal, scale=scale)
+            except _REFUSALS as exc:
+                _refused(name, exc)
     return _math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
 
@@ -99,11 +111,36 @@ def _math_backward(dout, q, k, v, out, lse, *, causal, scale):
 #   _scaled_dot_product_flash_attention_backward(grad_out, query, key, value, out, logsumexp,
 #       cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset,
 #       *, scale) -> (grad_query, grad_key, grad_value)
-# For dense (not varlen) inputs the forward returns cum_seq_* as None, and without dropout the
-# philox tensors are never read: None and an empty scalar stand in for them (tried on 2.11).
-def _refused(exc: RuntimeError) -> None:
-    # said once per place (warnings' own dedup): the math path is correct but slow and memory-hungry
-    warnings.warn(f"context-parallel attention: the flash kernel refused ({exc}); using plain math")
+#   _scaled_dot_product_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp,
+#       dropout_p, is_causal, return_debug_mask, *, scale) -> (output, logsumexp [B, H, Sq, 1]
+#       fp32 (or [B, H, Sq]), cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, ...)
+#   _scaled_dot_product_cudnn_attention_backward(grad_out, query, key, value, out, logsumexp,
+#       philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+#       is_causal, *, scale) -> (grad_query, grad_key, grad_value)
+# For dense (not varlen) inputs cum_seq_* are unused, and without dropout the philox tensors are
+# never read: empty tensors stand in for them. Grouped kv heads go in as they are (both kernels
+# take H % Hkv == 0); where a kernel refuses that, they are repeated and the gradients summed.
+KERNELS = ("cudnn", "flash")
+# what a kernel's own argument checks raise (torch's TORCH_CHECK: RuntimeError; index checks)
+_REFUSALS = (RuntimeError, IndexError, ValueError)
+DEFAULT_KERNELS = "cudnn,flash"
+
+
+def kernels() -> Tuple[str, ...]:
+    """The fused kernels tried in order, from FXMEGATRON_CP_KERNELS (a comma list of KERNELS;
+    default DEFAULT_KERNELS): read at each call, so a benchmark can compare them."""
+    raw = os.environ.get("FXMEGATRON_CP_KERNELS", "").strip() or DEFAULT_KERNELS
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    bad = [n for n in names if n not in KERNELS]
+    if bad:
+        raise ValueError(f"FXMEGATRON_CP_KERNELS={raw!r}: {bad} not among {KERNELS}")
+    return names
+
+
+def _refused(name: str, exc: Exception) -> None:
+    # said once per place (warnings' own dedup): the next kernel, or the math path, is correct
+    warnings.warn(f"context-parallel attention: the {name} kernel refused ({str(exc).splitlines()[0]}); "
+                  "trying the next (the last resort is plain math: correct, slow, memory-hungry)")
 
 
 def _kernel_ok(q: Tensor) -> bool:
@@ -111,26 +148,62 @@ def _kernel_ok(q: Tensor) -> bool:
 
 
 def _expand(x: Tensor, groups: int) -> Tensor:
-    """kv heads repeated for the query heads that read them (the kernel has no GQA)."""
+    """kv heads repeated for the query heads that read them."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def _flash_forward(q, k, v, *, causal, scale):
+def _grouped_call(fn, q: Tensor, k: Tensor, v: Tensor):
+    """fn(q, k, v) with the kv heads as they are; repeated if the kernel refuses them."""
     g = q.shape[1] // k.shape[1]
-    out, lse = _aten._scaled_dot_product_flash_attention(
-        q, _expand(k, g), _expand(v, g), 0.0, causal, False, scale=scale)[:2]
+    if g == 1:
+        return fn(q, k, v)
+    try:
+        return fn(q, k, v)
+    except _REFUSALS:
+        return fn(q, _expand(k, g), _expand(v, g))
+
+
+def _fold_heads(dk: Tensor, dv: Tensor, hkv: int) -> Tuple[Tensor, Tensor]:
+    """Each kv head's gradient, where the kernel gave one per query head: their sum."""
+    if dk.shape[1] == hkv:
+        return dk, dv
+    b, h, sk, d = dk.shape
+    return (dk.float().reshape(b, hkv, h // hkv, sk, d).sum(2),
+            dv.float().reshape(b, hkv, h // hkv, sk, dv.shape[-1]).sum(2))
+
+
+def _flash_forward(q, k, v, *, causal, scale):
+    out, lse = _grouped_call(lambda q_, k_, v_: _aten._scaled_dot_product_flash_attention(
+        q_, k_, v_, 0.0, causal, False, scale=scale)[:2], q, k, v)
     return out, lse
 
 
 def _flash_backward(dout, q, k, v, out, lse, *, causal, scale):
-    b, hkv, sk, d = k.shape
-    g = q.shape[1] // hkv
     unused = torch.empty((), dtype=torch.long)
     # out, dout, lse arrive as row slices of the whole shard: the kernel wants them dense
-    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q, _expand(k, g), _expand(v, g), out.contiguous(), lse.contiguous(),
-        None, None, q.shape[2], sk, 0.0, causal, unused, unused, scale=scale)
-    if g > 1:     # each kv head's gradient is the sum over the query heads that read it
-        dk = dk.float().reshape(b, hkv, g, sk, d).sum(2)
-        dv = dv.float().reshape(b, hkv, g, sk, -1).sum(2)
-    return dq, dk, dv
+    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
+    dq, dk, dv = _grouped_call(lambda q_, k_, v_: _aten._scaled_dot_product_flash_attention_backward(
+        dout, q_, k_, v_, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, unused, unused,
+        scale=scale), q, k, v)
+    return (dq,) + _fold_heads(dk, dv, k.shape[1])
+
+
+def _cudnn_forward(q, k, v, *, causal, scale):
+    out, lse = _grouped_call(lambda q_, k_, v_: _aten._scaled_dot_product_cudnn_attention(
+        q_, k_, v_, None, True, 0.0, causal, False, scale=scale)[:2], q, k, v)
+    return out, lse.reshape(q.shape[:3])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, *, causal, scale):
+    # cuDNN reads dO with O's strides: both dense; its statistics as [B, H, Sq, 1]; no bias and
+    # no ragged offsets: undefined tensors (None), as autograd passes them
+    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous().unsqueeze(-1)
+    seed = torch.empty((), dtype=torch.long, device=q.device)
+    dq, dk, dv = _grouped_call(lambda q_, k_, v_: _aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q_, k_, v_, out, lse, seed, seed, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
+        scale=scale), q, k, v)
+    return (dq,) + _fold_heads(dk, dv, k.shape[1])
+
+
+_FORWARD = {"flash": _flash_forward, "cudnn": _cudnn_forward}
+_BACKWARD = {"flash": _flash_backward, "cudnn": _cudnn_backward}

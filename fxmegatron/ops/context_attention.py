@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from fxmegatron.ops.attention_blocks import block_backward, block_forward, merge
+from fxmegatron.ops.attention_blocks import block_backward, block_forward, merge_
 from fxmegatron.ops.groups import ProcessGroupComm
 
 VARIANTS = ("ring", "allgather")
@@ -81,7 +81,8 @@ class Exchange:
 @dataclass(frozen=True)
 class Block:
     """Attention of query chunks against kv chunks (global chunk ids, local order) of the K/V
-    owned by ``kv_rank``; "causal" only for a diagonal pair."""
+    owned by ``kv_rank``. "causal": the same ascending chunks on both sides, masked to the lower
+    triangle of their concatenation (a diagonal pair, or a rank's whole shard against itself)."""
     step: int
     kv_rank: int
     q_chunks: Tuple[int, ...]
@@ -146,8 +147,12 @@ def _kind(a: int, b: int, is_causal: bool) -> Optional[str]:
 
 def _blocks(step: int, cp: int, rank: int, kv_rank: int, is_causal: bool) -> List[Block]:
     """The work of query rank ``rank`` against the K/V of ``kv_rank``: one block where the needed
-    pairs form a full rectangle (one kernel call), else one block per pair."""
+    pairs form a full rectangle or, on a rank's own K/V under a causal mask, the lower triangle of
+    its local sequence (its chunks ascend, so local order is global order: one causal kernel call,
+    as SDPA on the whole shard); else one block per pair."""
     qs, ks = chunks_of(cp, rank), chunks_of(cp, kv_rank)
+    if is_causal and kv_rank == rank:
+        return [Block(step, kv_rank, qs, qs, "causal")]
     pairs = [(a, b, _kind(a, b, is_causal)) for a in qs for b in ks]
     pairs = [p for p in pairs if p[2] is not None]
     rows = tuple(a for a in qs if any(p[0] == a for p in pairs))
@@ -242,10 +247,12 @@ def _check_held(block: Block, owner: int) -> None:
 
 def run_forward(plan: List[Step], q: Tensor, k: Tensor, v: Tensor, *, scale: float,
                 transport) -> Tuple[Tensor, Tensor]:
-    """Walk ``plan`` forward: (out in q's dtype, lse fp32) of this rank's rows."""
+    """Walk ``plan`` forward: (out in q's dtype, lse fp32) of this rank's rows. The first block of
+    a row is copied into the fp32 accumulators, later ones merged in place."""
     cp, rank, c = transport.size, transport.rank, q.shape[2] // 2
-    out = torch.zeros(q.shape[:3] + v.shape[3:], dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape[:3] + v.shape[3:], dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    written: set = set()                         # query chunks whose rows hold a partial result
     kv, owner = torch.stack([k, v]), rank        # [2, B, Hkv, S_local, D]: one message a hop
     gathered = posted = part = None
     for st in plan:
@@ -262,9 +269,20 @@ def run_forward(plan: List[Step], q: Tensor, k: Tensor, v: Tensor, *, scale: flo
                                       causal=st.kind == "causal", scale=scale))
         elif isinstance(st, Merge):
             qr, (o, l) = part
-            out[:, :, qr], lse[:, :, qr] = merge(out[:, :, qr], lse[:, :, qr], o, l)
+            chunks = set(st.q_chunks)
+            if not chunks & written:
+                out[:, :, qr].copy_(o)
+                lse[:, :, qr].copy_(l)
+            elif chunks <= written:
+                merge_(out[:, :, qr], lse[:, :, qr], o, l)
+            else:
+                raise RuntimeError(f"context-parallel plan: {st.line()} covers rows partly merged before")
+            written |= chunks
         elif isinstance(st, Wait):
             kv, owner = posted.wait(), st.now_kv_of
+    if written != set(chunks_of(cp, rank)):
+        raise RuntimeError(f"context-parallel plan of rank {rank}: query chunks "
+                           f"{sorted(set(chunks_of(cp, rank)) - written)} were never computed")
     return out.to(q.dtype), lse
 
 
