@@ -23,7 +23,7 @@ def main():
     t_start = time.perf_counter()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fxmegatron.compiler import assemble_local, check_local_shapes as _check_local_shapes
+    from fxmegatron.lower.rank_passes import assemble_local, check_local_shapes as _check_local_shapes
     from fxmegatron.capture import capture
     from fxmegatron.passes.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 

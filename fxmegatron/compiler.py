@@ -17,9 +17,6 @@ from fxmegatron.capture import Captured, capture
 from fxmegatron.errors import LossError, ScheduleError
 from fxmegatron.layout import Layout
 from fxmegatron.lower.rank import build_rank
-# the pass list moved to lower/rank_passes.py; its names stay importable from here
-from fxmegatron.lower.rank_passes import (COVERAGE, CP_AXIS, DP_SEED_STRIDE, PLAN, TP_AXIS, assemble_local,  # noqa: F401
-                                          check_local_shapes, cp_passes, groups, rank_passes, tp_passes)
 from fxmegatron.lower.stages import token_counter
 from fxmegatron.lower.torch_compile import compile_graph
 from fxmegatron.mesh import Axis

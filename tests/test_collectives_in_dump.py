@@ -92,7 +92,7 @@ def _rank0_graph(name, sizes, options):
     """Rank 0's graph after every pass of ``rank_passes`` (no process group: the collectives
     name the mesh axes)."""
     from fxmegatron.capture import capture
-    from fxmegatron.compiler import rank_passes
+    from fxmegatron.lower.rank_passes import rank_passes
     from fxmegatron.config import ParallelConfig
     from fxmegatron.mesh import Axis
     from fxmegatron.passes.runner import PassRunner

@@ -83,7 +83,7 @@ def test_what_is_not_exactly_the_formula_stays(fn, dtype):
 
 
 def test_the_compiler_runs_it_for_compiled_programs_before_the_gelu_passes():
-    from fxmegatron.compiler import rank_passes
+    from fxmegatron.lower.rank_passes import rank_passes
     from fxmegatron.config import ParallelConfig
     from fxmegatron.mesh import Axis
     axes = {"tp": Axis(), "pp": Axis(), "dp": Axis()}

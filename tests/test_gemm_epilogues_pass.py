@@ -96,7 +96,7 @@ def test_what_the_rule_refuses_stays(case):
 
 
 def test_the_compiler_runs_it_for_compiled_cuda_programs_only():
-    from fxmegatron.compiler import rank_passes
+    from fxmegatron.lower.rank_passes import rank_passes
     from fxmegatron.config import ParallelConfig
     from fxmegatron.mesh import Axis
     axes = {"tp": Axis(), "pp": Axis(), "dp": Axis()}

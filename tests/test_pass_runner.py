@@ -4,7 +4,7 @@ import torch
 import torch.fx as fx
 
 import fxmegatron
-from fxmegatron.compiler import rank_passes
+from fxmegatron.lower.rank_passes import rank_passes
 from fxmegatron.config import ParallelConfig
 from fxmegatron.errors import PassError, ShardingError
 from fxmegatron.mesh import Axis
@@ -98,7 +98,7 @@ def test_parallelize_runs_the_same_list():
 def test_passes_name_the_tp_axis_and_materialisation_binds_the_group():
     """The passes write the mesh axis ("@tp") into the collectives; the group's name appears
     only once the program is materialised for a job (here a made-up group name)."""
-    from fxmegatron.compiler import TP_AXIS, groups
+    from fxmegatron.lower.rank_passes import TP_AXIS, groups
     from fxmegatron.ops.registry import record
     from fxmegatron.lower.materialize import materialize_graph
 

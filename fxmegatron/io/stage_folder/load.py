@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from safetensors import safe_open
 
-from fxmegatron.compiler import DP_SEED_STRIDE
+from fxmegatron.lower.rank_passes import DP_SEED_STRIDE
 from fxmegatron.errors import CompiledFolderError
 from fxmegatron.io.stage_folder.check import CheckedFolder, check_folder
 from fxmegatron.ops.dropout import DropoutRng
