@@ -87,6 +87,23 @@ def test_trainer_keys_agree():
     assert keys == expected, _diff(keys, expected, "the trainer's [layout] keys")
 
 
+def test_trainer_defaults_are_the_layouts():
+    """A [layout] key left out must mean Layout's default (the trainer writes its defaults into
+    the table): each key's default is its field's, or the TOML spelling of it (TOML_EMPTY)."""
+    from fxmegatron.layout import TOML_EMPTY
+    defaults = {f.name: f.default for f in dataclasses.fields(Layout)}
+    wrong = []
+    for k in train_config.KEYS:
+        name = TRAINER_ALIASES.get(k.name, k.name)
+        if k.section != "layout" or name not in defaults:
+            continue
+        if k.default != defaults[name] and k.default != TOML_EMPTY.get(name, object()):
+            wrong.append(f"layout.{k.name} = {k.default!r}, Layout.{name} = {defaults[name]!r}")
+    assert not wrong, wrong
+    table = {k.name: k.default for k in train_config.KEYS if k.section == "layout"}
+    assert Layout.from_table(table) == Layout()
+
+
 def _flags(parser) -> set:
     return {a.dest for a in parser._actions if a.dest != "help"}
 
