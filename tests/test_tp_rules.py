@@ -165,3 +165,16 @@ def test_cat_with_an_empty_cache_keeps_the_split():
     assert len(cats) == 2 and all(plan.node_plc[c] == Shard(1) for c in cats)
     assert all(len(c.args[0]) == 1 for c in gm.graph.nodes if c.target is aten.cat.default)  # the empty one dropped
     verify(CacheAttention(), (x,), tp=2)
+
+
+def test_an_opaque_python_function_is_named_without_its_address():
+    """placements.txt prints why an op was replicated: a Python function by its qualified name,
+    not its repr (whose address differs run to run)."""
+    import operator
+
+    from fxmegatron.ops.context_parallel import cp_take
+    from fxmegatron.passes.tensor_parallel.rules.opaque import _op_name
+    assert _op_name(cp_take) == "fxmegatron.ops.context_parallel.cp_take"
+    assert _op_name(operator.getitem) == "_operator.getitem"
+    assert _op_name(torch.ops.aten.mm) == "aten.mm"
+    assert _op_name(torch.ops.fxmegatron.cp_attention) == "fxmegatron.cp_attention"

@@ -1,6 +1,8 @@
 """Ops without a rule: every input is made whole and the output is replicated."""
 from __future__ import annotations
 
+import types
+
 import torch
 
 from fxmegatron.passes.tensor_parallel.nodes import packet, val
@@ -26,7 +28,7 @@ def replicate_all(state, node, why=""):
 def no_rule(state, node):
     """Any op the table does not know. Precondition: none; it always runs replicated, and a
     split reaching it is demoted (or gathered) with the reason "has no sharding rule"."""
-    replicate_all(state, node, f"has no sharding rule for {packet(node)}")
+    replicate_all(state, node, f"has no sharding rule for {_op_name(packet(node))}")
 
 
 no_rule.rule_name = "opaque"
@@ -36,3 +38,11 @@ no_rule.rule_name = "opaque"
 def assert_metadata(state, node):
     """A check on its input's metadata, no output: nothing to place."""
     state.set(node, R)
+
+
+def _op_name(op) -> str:
+    """An op as the dump prints it: ``aten.mm``, or a Python function's qualified name (its repr
+    carries an address, which would make placements.txt differ run to run)."""
+    if isinstance(op, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"{op.__module__}.{op.__qualname__}"
+    return str(op)
