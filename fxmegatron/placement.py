@@ -4,8 +4,8 @@ A ``Placement`` says how a value lies over the ranks of one axis: ``Replicate``,
 ``Shard(dim)`` (a sequence shard of context parallelism included: ``Shard(dim, seq_inner=i)``,
 load-balanced chunks) or ``Partial``. ``Placements`` is a value's layout on the whole mesh:
 a placement per axis, an axis not named being Replicate. Placements are plain data stored
-on graph nodes (``node.meta["placement"]``: the tp axis), so a dump can print, for every
-tensor, how it is split. docs/ENGINE.md: the one placement engine this is the base of.
+on graph nodes (``node.meta["placements"]``: a placement per axis that placed the node, read
+with ``placed(node, axis)``), so a dump can print, for every tensor, how it is split. docs/ENGINE.md: the one placement engine this is the base of.
 """
 from __future__ import annotations
 
@@ -98,6 +98,32 @@ class Placements:
 
     def __str__(self):
         return " ".join(f"{a}:{p}" for a, p in self.axes) or "R"
+
+
+# ---- on graph nodes: meta["placements"], one entry per axis a pass placed the node on -----------
+PLACEMENTS = "placements"
+
+
+def placed(node, axis: str, default=None):
+    """``node``'s placement on ``axis`` (a tuple of them for an op of several outputs), or
+    ``default`` where no pass placed it on that axis (a node made after the axis's pass). None
+    recorded is "no placement" (tp's slices of kv heads that ranks share)."""
+    return node.meta.get(PLACEMENTS, {}).get(axis, default)
+
+
+def place(node, axis: str, plc) -> None:
+    """Record ``plc`` as ``node``'s placement on ``axis`` (a new dict: a node whose meta was
+    copied from another does not share it)."""
+    node.meta[PLACEMENTS] = {**node.meta.get(PLACEMENTS, {}), axis: plc}
+
+
+def node_layout(node) -> Optional[Placements]:
+    """``node``'s layout over every axis it is placed on, None if it is placed on none or has
+    several outputs."""
+    by_axis = node.meta.get(PLACEMENTS)
+    if not by_axis or any(isinstance(p, tuple) for p in by_axis.values()):
+        return None
+    return Placements.of(**by_axis)
 
 
 def shard_slices(size: int, plc: Shard, rank: int, world: int):

@@ -128,3 +128,34 @@ def test_a_programs_parameter_layout_is_its_tp_placement():
     object.__setattr__(prog, "aliases", {"tied": "w"})
     assert prog.param_layout("w") == prog.param_layout("tied") == Placements.of(tp=Shard(0))
     assert prog.param_layout("b") == prog.param_layout("missing") == Placements()
+
+
+def test_nodes_carry_one_placement_per_axis_under_cp_and_tp():
+    """After cp2 x tp2 (+sp) every node the passes placed holds meta["placements"]: a
+    placement per axis, the tp and cp passes writing to the same record; a node sharded on
+    both axes has a layout naming both, and the dump's cp column is cp's own words."""
+    import copy
+    import dataclasses
+
+    from fxmegatron.capture import capture
+    from fxmegatron.compiler import compile_captured
+    from fxmegatron.config import ParallelConfig
+    from fxmegatron.io.dump import placement_table
+    from fxmegatron.mesh import Axis
+    from fxmegatron.placement import node_layout, placed
+    from tests.families import FAMILIES, make_batch
+
+    fam = FAMILIES["llama"]
+    cap = capture(fam.build(), make_batch(fam, 0))
+    axes = {d: Axis() for d in ("dp", "pp", "tp", "cp")}
+    axes.update({d: Axis(2, 0, f"job-{d}", (0, 1)) for d in ("tp", "cp")})
+    prog = compile_captured(dataclasses.replace(cap, gm=copy.deepcopy(cap.gm)), axes, "meta",
+                            ParallelConfig(sequence_parallel=True))
+    nodes = list(prog.graph_module.graph.nodes)
+    both = [n for n in nodes if placed(n, "tp") is not None and placed(n, "cp") is not None]
+    assert both, "no node placed on both axes"
+    layouts = [node_layout(n) for n in both]
+    two_axes = [lay for lay in layouts if lay is not None and {"tp", "cp"} <= set(lay.sharded())]
+    assert two_axes, [str(lay) for lay in layouts][:10]      # sequence shards on cp and sp shards on tp
+    assert str(two_axes[0]).startswith("cp:S(1, seq) tp:S(")
+    assert "Seq(1)" in placement_table(prog.graph_module)

@@ -43,6 +43,7 @@ def train_cases(rank, world, cases, steps=3):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxmegatron.capture import module_path
+    from fxmegatron.placement import placed
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = {}
@@ -55,7 +56,7 @@ def train_cases(rank, world, cases, steps=3):
         out[case] = {**r,
                      "decisions": {module_path(n) or n.name: n.meta["tp_decision"].split(":")[0]
                                    for n in gm.graph.nodes if "tp_decision" in n.meta},
-                     "params": {n.target: str(n.meta.get("placement")) for n in gm.graph.nodes if n.op == "get_attr"}}
+                     "params": {n.target: str(placed(n, "tp")) for n in gm.graph.nodes if n.op == "get_attr"}}
     return out
 
 

@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from fxmegatron.capture import module_path
 from fxmegatron.ops.registry import record
+from fxmegatron.placement import PLACEMENTS, placed
 
 
 def collective_nodes(gm: fx.GraphModule):
@@ -37,6 +38,15 @@ def _plc(p):
     return "" if p is None else str(p)
 
 
+def _cp(p) -> str:
+    """A cp placement in context parallelism's own words (Seq(d), Feq(d), whole, partial)."""
+    if p is None:
+        return ""
+    from fxmegatron.passes.context_parallel.layout import from_placement
+    q = from_placement(p)
+    return ", ".join(map(str, q)) if isinstance(q, tuple) else str(q)
+
+
 def _target(n):
     t = n.target
     return getattr(t, "__name__", str(t)) if callable(t) else str(t)
@@ -53,8 +63,8 @@ def placement_table(gm: fx.GraphModule) -> str:
             note = (note + " " if note else "") + f"[recompute: {n.meta['recompute']}]"
         if n.meta.get("fp8"):
             note = (note + " " if note else "") + f"[{n.meta['fp8']}]"
-        rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(n.meta.get("placement")),
-                     n.meta.get("tp_rule", ""), n.meta.get("cp_placement", ""), _shape(n.meta.get("val")),
+        rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(placed(n, "tp")),
+                     n.meta.get("tp_rule", ""), _cp(placed(n, "cp")), _shape(n.meta.get("val")),
                      module_path(n), note))
     k = len(rows[0]) - 1
     widths = [max(len(r[i]) for r in rows) for i in range(k)]
@@ -107,8 +117,8 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
                 f.write(f"{n.name:24s} {module_path(n):40s} {n.meta['fp8']}\n")
         f.write("\n# parameters\n")
         for n in gm.graph.nodes:
-            if n.op == "get_attr" and "placement" in n.meta:
-                f.write(f"{n.target:56s} {_plc(n.meta['placement']):20s} {_shape(n.meta.get('val'))}\n")
+            if n.op == "get_attr" and "tp" in n.meta.get(PLACEMENTS, {}):
+                f.write(f"{n.target:56s} {_plc(placed(n, 'tp')):20s} {_shape(n.meta.get('val'))}\n")
 
 
 def dump_program(directory: str, program, rank: int) -> None:

@@ -1,7 +1,7 @@
 """Replace every dropout with counter-based dropout keyed by global element index.
 
 Runs after the tensor-parallel rewrite, while ``node.meta["val"]`` still holds
-the unsplit value and ``node.meta["placement"]`` how this rank holds it. See
+the unsplit value and ``placed(node, "tp")`` how this rank holds it. See
 ``fxmegatron.ops.dropout`` for why this gives Megatron's RNG semantics (masks equal
 across tp ranks outside tp regions, different inside) and tp-independent results.
 
@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from fxmegatron.errors import ShardingError
 from fxmegatron.passes.tensor_parallel.nodes import where
-from fxmegatron.placement import R
+from fxmegatron.placement import R, place, placed
 from fxmegatron.ops.dropout import DropoutRng, counter_dropout, counter_dropout_attention, local_layout, rng_key
 
 aten = torch.ops.aten
@@ -102,9 +102,9 @@ def apply_counter_rng(gm: fx.GraphModule, rank: int, world: int, seed: int) -> f
         rng = g.get_attr(RNG_ATTR)
     with g.inserting_after(rng):
         key = g.call_function(rng_key, (rng, like))
-    key.meta["placement"] = R
+    place(key, "tp", R)
     for site, n in enumerate(sites):
-        plc = n.meta.get("placement", R)
+        plc = placed(n, "tp", R)
         if n.target is aten.dropout.default:
             x, p = n.args[0], _arg(n, 1, "p", 0.0)
             n.target = counter_dropout

@@ -19,7 +19,7 @@ keeps and why ("bf16: lm head (feeds the loss)"); ``gm.meta[FP8_REPORT]`` lists 
 A policy that selects no candidate at all is an error.
 
 The pass runs before or after the tensor-parallel rewrite. After it, ``tp_group`` names the
-tp axis ("@tp", bound by materialisation) and each node's placements (``meta["placement"]``,
+tp axis ("@tp", bound by materialisation) and each node's placements (``placed(node, "tp")``,
 left by the rewrite) say which GEMM dim the ranks split: a weight split along out features
 (column-parallel) or in features (row-parallel), or a replicated weight whose input is
 split along tokens (sequence shards). ``fp8_linear`` needs that to reduce its amaxes so that
@@ -39,7 +39,7 @@ from fxmegatron.capture import module_path
 from fxmegatron.errors import PrecisionError
 from fxmegatron.ops.fp8 import fp8_linear, recipe_of
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
-from fxmegatron.placement import Shard
+from fxmegatron.placement import Shard, placed
 
 aten = torch.ops.aten
 FP8_REPORT = "fxmegatron/fp8"      # gm.meta key: [(module path, node name, outcome)]
@@ -186,11 +186,11 @@ def _embedded(gm: fx.GraphModule) -> set:
 
 def _split(lin: _Linear) -> str:
     """Which GEMM dim the tp ranks hold different slices of (from the rewrite's placements)."""
-    plc = lin.param.meta.get("placement")
+    plc = placed(lin.param, "tp")
     if isinstance(plc, Shard):
         out_dim = 1 if lin.transposed else 0
         return "out" if plc.dim % 2 == out_dim else "in"
-    xp = lin.x.meta.get("placement")
+    xp = placed(lin.x, "tp")
     xv = lin.x.meta.get("val")
     if isinstance(xp, Shard) and isinstance(xv, torch.Tensor) and xp.dim % xv.dim() != xv.dim() - 1:
         return "tokens"

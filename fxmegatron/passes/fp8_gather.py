@@ -118,7 +118,7 @@ def gather_in_fp8(gm: fx.GraphModule) -> fx.GraphModule:
             o.meta["val"] = q.meta["val"][i] if isinstance(q.meta.get("val"), tuple) else None
         proxy.meta["val"] = node.meta.get("val")
         for n in (d, gq, *outs, proxy):
-            copy_source(n, node, also=("placement", "tp_rule"))
+            copy_source(n, node, also=("placements", "tp_rule"))
         gq.meta["fp8"] = f"gathered in FP8 ({recipe}): the shard quantised, its FP8 bytes gathered"
         proxy.meta["fp8"] = (f"no forward gather: {gq.name} carries the values in FP8; "
                              + ("reduce-scatter backward" if rank < 0 else "local slice backward"))

@@ -38,7 +38,7 @@ def _call(graph: fx.Graph, like: fx.Node, target, args, kwargs=None) -> fx.Node:
     node = graph.call_function(target, args, kwargs or {})
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
     node.meta["val"] = target(*vals, **(kwargs or {}))
-    copy_source(node, like, also=("placement", "tp_rule"))
+    copy_source(node, like, also=("placements", "tp_rule"))
     return node
 
 

@@ -100,7 +100,7 @@ def _rewrite(graph: fx.Graph, out: fx.Node) -> bool:
     with graph.inserting_before(out):
         gelu = graph.call_function(aten.gelu.default, (x,), {"approximate": "tanh"})
     gelu.meta["val"] = out.meta["val"]
-    copy_source(gelu, out, also=("placement", "tp_rule"))
+    copy_source(gelu, out, also=("placements", "tp_rule"))
     out.replace_all_uses_with(gelu)
     graph.erase_node(out)
     for n in chain:          # each read only by the one erased before it

@@ -109,8 +109,8 @@ def _fuse(graph: fx.Graph, n: fx.Node, dtypes) -> bool:
         if k_by_n:              # back to the activation's shape, as the addmm's view did
             result = graph.call_function(out.target, (fused, *out.args[1:]), dict(out.kwargs))
             result.meta["val"] = c.meta["val"]
-            copy_source(result, c, also=("placement", "tp_rule"))
-    copy_source(fused, c, also=("placement", "tp_rule"))
+            copy_source(result, c, also=("placements", "tp_rule"))
+    copy_source(fused, c, also=("placements", "tp_rule"))
     fused.meta["gemm_epilogue"] = RULE
     c.replace_all_uses_with(result)
     for dead in (c, out, n) if k_by_n else (c, n):

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from fxmegatron.errors import PassError
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy
+from fxmegatron.placement import placed
 
 aten = torch.ops.aten
 
@@ -120,4 +121,4 @@ def output_placement(gm: fx.GraphModule):
     it (None where nothing was recorded)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     node = out.args[0]
-    return node.meta.get("placement") if isinstance(node, fx.Node) else None
+    return placed(node, "tp") if isinstance(node, fx.Node) else None

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.capture import module_path
-from fxmegatron.placement import Replicate, Shard, join_shards
+from fxmegatron.placement import PLACEMENTS, Replicate, Shard, join_shards, placed
 
 
 aten = torch.ops.aten
@@ -96,13 +96,13 @@ def first_divergence(ref_graph: fx.Graph, ref_values: Dict[str, object], rank_gr
     for ref_node in ref_graph.nodes:
         name = cp.stands_for.get(ref_node.name, ref_node.name) if cp is not None else ref_node.name
         node = by_name.get(name)
-        if node is None or ref_node.name not in ref_values or "placement" not in node.meta:
+        if node is None or ref_node.name not in ref_values or "tp" not in node.meta.get(PLACEMENTS, {}):
             continue
         if getattr(node.target, "overloadpacket", None) in _UNINITIALISED:
             continue
         if any(name not in v for v in rank_values):
             continue
-        plc = node.meta["placement"]
+        plc = placed(node, "tp")
         values = [v[name] for v in rank_values]
         got = reassemble(values, plc) if cp is None else cp.reassemble(values, plc, ref_node.name)
         want = ref_values[ref_node.name]
@@ -148,7 +148,7 @@ def param_users(graph: fx.Graph, name: str) -> List[fx.Node]:
             if u in seen:
                 continue
             seen.add(u)
-            if "placement" in u.meta or u.meta.get("tp_decision") or u.meta.get("tp_rule"):
+            if "tp" in u.meta.get(PLACEMENTS, {}) or u.meta.get("tp_decision") or u.meta.get("tp_rule"):
                 out.append(u)
             else:
                 stack.append(u)

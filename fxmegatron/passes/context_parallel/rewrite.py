@@ -9,9 +9,11 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.ops.context_parallel import cp_attention, cp_count
+from fxmegatron.passes.context_parallel.layout import to_placement
 from fxmegatron.passes.context_parallel.propagate import CPPlan
 from fxmegatron.passes.redistribute import Site, find
 from fxmegatron.passes.tensor_parallel.nodes import arg
+from fxmegatron.placement import place
 
 aten = torch.ops.aten
 _KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
@@ -70,7 +72,7 @@ def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, gro
         gm.graph.erase_node(node)
     for n, p in plan.plc.items():
         if n.graph is gm.graph:
-            n.meta["cp_placement"] = str(p) if not isinstance(p, tuple) else ", ".join(map(str, p))
+            place(n, "cp", to_placement(p))
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -6,7 +6,7 @@ reduce-scatters and gathers, shape arguments of views/expands/splits divided by 
 vocab-parallel embedding and loss. Which function realises a change of placement
 (f, g, a gather, a scatter, a slice) is the redistribution table's (``passes.redistribute``,
 axis "tp"). The rewritten graph expects parameters to be the
-rank's local shards. Every node keeps its placement (``meta["placement"]``), the rule
+rank's local shards. Every node keeps its placement (``placed(node, "tp")``), the rule
 that placed it (``meta["tp_rule"]``) and, for matmuls, embeddings and losses, the
 decision (``meta["tp_decision"]``).
 """
@@ -21,7 +21,7 @@ from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_pa
 from fxmegatron.passes.redistribute import Site, find
 from fxmegatron.passes.tensor_parallel.nodes import arg, packet
 from fxmegatron.passes.tensor_parallel.plan import TPPlan
-from fxmegatron.placement import R, Shard
+from fxmegatron.placement import PLACEMENTS, R, Shard, place, placed
 
 aten = torch.ops.aten
 
@@ -71,7 +71,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
     tp = plan.tp
 
     def mark(n, plc):
-        n.meta["placement"] = plc
+        place(n, "tp", plc)
         return n
 
     for node in list(g.nodes):
@@ -117,7 +117,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
         out.meta["tp_rule"] = "matmul.row (bias after the reduction)"
         if "val" in red.meta:
             out.meta["val"] = red.meta["val"]
-        return mark(out, red.meta["placement"])
+        return mark(out, placed(red, "tp"))
 
     reduced = {}        # a partial sum -> its g: an f of the same value follows the g
     for e in plan.edges():
@@ -145,11 +145,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
                              f"attention.kv_heads {start}:{start + length} of {src.name}")
         node.update_arg(i, x)
     for node, plc in plan.node_plc.items():
-        if node.graph is g and "placement" not in node.meta:
-            node.meta["placement"] = plc
+        if node.graph is g and "tp" not in node.meta.get(PLACEMENTS, {}):
+            place(node, "tp", plc)
     for node in g.nodes:
         if node.op == "get_attr" and node.target in plan.param_plc:
-            node.meta["placement"] = plan.param_plc[node.target]
+            place(node, "tp", plan.param_plc[node.target])
     g.lint()
     gm.recompile()
     return gm
