@@ -195,10 +195,6 @@ def _compiled_ce():
     return torch.compile(ce, dynamic=False)
 
 
-def _summed_ce(logits, labels):
-    return _compiled_ce()(logits, labels)
-
-
 def build_torch_cp(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
     """The unmodified model under torch's context, and what it is fed: the labels shifted before the
     cut (``shift_labels``: the model's own shift of a rank's two chunks pairs wrong tokens);
@@ -240,7 +236,7 @@ def build_torch_cp(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
                                attention_mask=mask, num_items_in_batch=count).loss
                 else:
                     logits = ddp(input_ids=ids_, position_ids=pos, attention_mask=mask).logits
-                    loss = _summed_ce(logits, labels) / count
+                    loss = _compiled_ce()(logits, labels) / count
                 loss.backward()
             except Exception as exc:    # noqa: BLE001 -- re-raised below
                 # torch 2.11's context has no try/finally: an error (an OOM) raised through it would
