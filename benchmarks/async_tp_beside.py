@@ -12,7 +12,7 @@ matmul on each rank before the first row and after the last, and which of them c
 A row is ``LAYOUT[:MODE]``: ``ref`` builds an fx row from the plain model's weights (the native
 rows always start from them), ``nostep`` builds the row without stepping it. ``--share``: every
 row on one mesh (``1d``: the 1-D tp mesh, the default group; ``3d``: the (dp, pp, tp) mesh's tp
-group). fxmegatron's refusal beside async TP is overridden here (runtime/async_tp_guard.py)."""
+group)."""
 import argparse
 import functools
 import json
@@ -20,7 +20,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("FXMEGATRON_ALLOW_ASYNC_TP_BESIDE", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -60,6 +59,23 @@ def probes(spec, batch, dev, dtype):
     return out
 
 
+def log_attention_strides():
+    """Print, once per distinct layout, the strides cuDNN's attention backward is called with."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = set()
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
+                key = tuple(tuple(a.stride()) for a in args[:5])
+                if key not in seen and dist.get_rank() == 0:
+                    seen.add(key)
+                    print("cudnn attention backward: grad_out/q/k/v/out strides", key, "shape", tuple(args[1].shape),
+                          flush=True)
+            return func(*args, **(kwargs or {}))
+    Log().__enter__()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -67,11 +83,19 @@ def main():
     ap.add_argument("--share", choices=["", "1d", "3d"], default="")
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-cudnn-attention", action="store_true",
+                    help="turn SDPA's cuDNN backend off (torch.backends.cuda.enable_cudnn_sdp(False))")
+    ap.add_argument("--log-attention", action="store_true",
+                    help="print the strides of each eager cuDNN attention backward call (q, out, grad_out)")
     ap.add_argument("--model-args", default="--model gpt6.7b --layers 2 --global-batch 8",
                     help="end_to_end.py's model arguments (--tiny on CPU)")
     args = ap.parse_args()
     env = init_from_env(args.device, env=read_env(one_process_port=29541))
     dev, dtype = env.device, torch.bfloat16
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.log_attention:
+        log_attention_strides()
     spec = build_spec(e2e_args(args.model_args.split()))
     batch = spec.make_batch(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

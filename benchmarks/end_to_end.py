@@ -204,7 +204,6 @@ from e2e.interleave import run_interleaved  # noqa: E402
 from e2e.report import (CHECK_RTOL, check_rows, print_header, print_paired, print_round,  # noqa: E402
                         print_rounds, print_table, write_json)
 
-from fxmegatron.runtime.async_tp_guard import ALLOW as ASYNC_TP_ALLOW  # noqa: E402
 from fxmegatron.runtime.distributed import init_from_env, make_mesh, read_env  # noqa: E402
 
 
@@ -302,12 +301,6 @@ def main(argv=None):
         layouts.append(lay)
     if not layouts:
         problems.append("no layouts given (--layouts)")
-    if any(lay.async_tp for lay in layouts) and any(lay.kind == "fx" and lay.tp > 1 for lay in layouts) \
-            and os.environ.get(ASYNC_TP_ALLOW) != "1":
-        problems.append("a native -async row (torch's async TP) and an fxmegatron tp row cannot share a run: on torch "
-                        "2.11 the one that steps second trains wrong (docs/TRAINING.md, 'Beside torch's async TP'), "
-                        "and fxmegatron refuses to step there; run them in separate launches "
-                        f"({ASYNC_TP_ALLOW}=1 runs them anyway)")
     if problems:
         # only rank 0 fails: torchrun ends the others as soon as one fails, maybe before rank 0 printed
         if lead:

@@ -279,18 +279,6 @@ def test_torchao_layout_refused_by_the_script_on_cpu():
     assert "compile-ao" in out.stderr and ("needs torchao" in out.stderr or "needs a CUDA GPU" in out.stderr)
 
 
-def test_async_tp_rows_and_fx_tp_rows_refused_in_one_run():
-    """torch's async TP and an fxmegatron tp row in one process: the second to step trains wrong on
-    torch 2.11 (docs/TRAINING.md), so the script refuses the mix before building anything."""
-    out = one_process(["--tiny", "--device", "cpu", "--layouts", "native-tp2-async,fx-tp2"], timeout=120)
-    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "cannot share a run" in out.stderr and "FXMEGATRON_ALLOW_ASYNC_TP_BESIDE" in out.stderr
-    out = one_process(["--tiny", "--device", "cpu", "--layouts", "native-tp2-async,fx-tp2-nosp-fuse"], timeout=120)
-    assert "cannot share a run" in out.stderr
-    alone = one_process(["--tiny", "--device", "cpu", "--layouts", "native-tp2-async,native-tp2"], timeout=120)
-    assert "cannot share a run" not in alone.stderr
-
-
 def test_fp8_linear_filter_keeps_what_the_fxmegatron_pass_keeps():
     """The torchao rows' module filter mirrors fxmegatron's FP8 pass: the LM head (``lm_head``, or
     any linear tied to an embedding) and linears with an in or out feature count (or a token

@@ -17,6 +17,7 @@ from fxmegatron.capture import Captured
 from fxmegatron.errors import ShardingError
 from fxmegatron.lower.materialize import materialize_graph
 from fxmegatron.mesh import Axis
+from fxmegatron.passes.attention_kernel import fused_attention_kernel
 from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import apply_context_parallel
 from fxmegatron.passes.dropout_rng import apply_counter_rng
@@ -135,6 +136,8 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
                            requires={"local_shapes"}))
     if cfg.compile:     # after fuse: a GeLU a fused group took is not rewritten
         passes.append(Pass("gelu_for_inductor", gelu_tanh_through_sigmoid, requires={"local_shapes"}))
+    if device is not None and torch.device(device).type == "cuda":    # last: the other passes see SDPA
+        passes.append(Pass("fused_attention_kernel", fused_attention_kernel, requires={"local_shapes"}))
     return passes
 
 

@@ -19,6 +19,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from fxmegatron.ops.own_thread import on_own_thread
+
 _aten = torch.ops.aten
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -194,14 +196,33 @@ def _cudnn_forward(q, k, v, *, causal, scale):
     return out, lse.reshape(q.shape[:3])
 
 
+def like_q(t: Tensor, q: Tensor) -> Tensor:
+    """``t`` (q's shape but its last dim) dense in q's order of dimensions, as cuDNN's forward
+    lays out its output: unchanged when it already is, else copied."""
+    order = sorted(range(q.dim()), key=lambda d: q.stride(d))     # innermost first, stable as torch's
+    strides, step = [0] * q.dim(), 1
+    for d in order:
+        strides[d], step = step, step * t.shape[d]
+    if tuple(t.stride()) == tuple(strides):
+        return t
+    if all(t.stride(d) == strides[d] for d in range(t.dim()) if t.shape[d] > 1):    # size-1 dims' alone
+        return t.as_strided(t.shape, strides, t.storage_offset())
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _cudnn_backward(dout, q, k, v, out, lse, *, causal, scale):
-    # cuDNN reads dO with O's strides: both dense; its statistics as [B, H, Sq, 1]; no bias and
-    # no ragged offsets: undefined tensors (None), as autograd passes them
-    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous().unsqueeze(-1)
+    # The backward graph bakes in the strides of dO and O, which torch's graph cache does not key
+    # on: both go in one layout, the one the forward gives O (a function of q's strides, which
+    # the cache keys on), and the call runs on fxmegatron's own thread, whose cache no other
+    # caller fills (ops/own_thread.py). Statistics as [B, H, Sq, 1]; no bias and no ragged
+    # offsets: undefined tensors (None), as autograd passes them.
+    out = like_q(out, q)
+    dout, lse = like_q(dout, q), lse.contiguous().unsqueeze(-1)
     seed = torch.empty((), dtype=torch.long, device=q.device)
-    dq, dk, dv = _grouped_call(lambda q_, k_, v_: _aten._scaled_dot_product_cudnn_attention_backward(
+    call = lambda q_, k_, v_: _aten._scaled_dot_product_cudnn_attention_backward(      # noqa: E731
         dout, q_, k_, v_, out, lse, seed, seed, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
-        scale=scale), q, k, v)
+        scale=scale)
+    dq, dk, dv = on_own_thread(lambda: _grouped_call(call, q, k, v), q.device)
     return (dq,) + _fold_heads(dk, dv, k.shape[1])
 
 

@@ -39,7 +39,8 @@ _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-def _get(n: fx.Node, name: str):
+def sdpa_arg(n: fx.Node, name: str):
+    """SDPA's argument ``name`` at node ``n``, given by position or keyword or left at its default."""
     i = _ARGS.index(name) if name in _ARGS else None
     if i is not None and i < len(n.args):
         return n.args[i]
@@ -49,7 +50,7 @@ def _get(n: fx.Node, name: str):
 def _set(n: fx.Node, **values) -> None:
     """Rewrite SDPA's arguments as keywords past the three tensors (the same call), leaving out
     those at their defaults."""
-    kw = {k: _get(n, k) for k in _DEFAULTS}
+    kw = {k: sdpa_arg(n, k) for k in _DEFAULTS}
     kw.update(values)
     n.args = tuple(n.args[:3])
     n.kwargs = {k: v for k, v in kw.items() if (v is not None if _DEFAULTS[k] is None else v != _DEFAULTS[k])}
@@ -134,8 +135,8 @@ def causal_mask(gm: fx.GraphModule) -> int:
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not SDPA:
             continue
-        mask = _get(n, "attn_mask")
-        if not isinstance(mask, fx.Node) or _get(n, "is_causal"):
+        mask = sdpa_arg(n, "attn_mask")
+        if not isinstance(mask, fx.Node) or sdpa_arg(n, "is_causal"):
             continue
         q, k = n.args[0].meta.get("val"), n.args[1].meta.get("val")
         if q is None or k is None:
@@ -189,15 +190,15 @@ def grouped_kv(gm: fx.GraphModule) -> int:
     """Apply the ``grouped_kv`` rewrite where its precondition holds; returns how many."""
     done = 0
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target is not SDPA or _get(n, "enable_gqa"):
+        if n.op != "call_function" or n.target is not SDPA or sdpa_arg(n, "enable_gqa"):
             continue
         k, v = _repeated_kv(n.args[1]), _repeated_kv(n.args[2])
         if k is None or v is None or k[1] != v[1] or k[1] == 1:
             continue
         q = n.args[0].meta.get("val")
-        mask = _get(n, "attn_mask")
+        mask = sdpa_arg(n, "attn_mask")
         mval = mask.meta.get("val") if isinstance(mask, fx.Node) else None
-        if q is None or q.shape[1] != k[0].meta["val"].shape[1] * k[1] or _get(n, "dropout_p") != 0.0:
+        if q is None or q.shape[1] != k[0].meta["val"].shape[1] * k[1] or sdpa_arg(n, "dropout_p") != 0.0:
             continue
         if mask is not None and (mval is None or mval.dim() == 4 and mval.shape[1] != 1):
             continue

@@ -74,6 +74,9 @@ def node_flops(node: fx.Node, gm: fx.GraphModule) -> float:
     if pk is aten.scaled_dot_product_attention or name == "counter_dropout_attention":
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
         return 4.0 * q.numel() * k.shape[-2]
+    if getattr(pk, "_qualified_op_name", None) == "fxmegatron::attention":     # SDPA on CUDA
+        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        return 4.0 * q.numel() * k.shape[-2]
     if getattr(pk, "_qualified_op_name", None) == "fxmegatron::cp_attention":   # keys of every cp rank
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
         return 4.0 * q.numel() * k.shape[-2] * node.args[6]

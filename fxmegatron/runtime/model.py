@@ -16,7 +16,6 @@ from fxmegatron.errors import BatchStructureError
 from fxmegatron.io.dump import dump_program
 from fxmegatron.placement import Placement, R
 from fxmegatron.program import RankProgram
-from fxmegatron.runtime.async_tp_guard import check_no_async_tp
 from fxmegatron.runtime.batch_check import check_same_batch
 from fxmegatron.runtime.data_parallel import GradSync, check_same_weights
 from fxmegatron.runtime.gather import gather_layout, gather_stages, sum_shared_grads
@@ -108,7 +107,6 @@ class ParallelModel(nn.Module):
         return self.program.axes["dp"].group
 
     def _flat(self, args, kwargs):
-        check_no_async_tp(self.program.device, self.tp_size)
         if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list, dict)):
             args, kwargs = batch_args(args[0])
         flat, spec = pytree.tree_flatten((args, kwargs))

@@ -113,9 +113,6 @@ def fx_beside_neighbours(rank, world, transport, compile, kinds, steps=4, dtype=
     from fxmegatron.ops import copy_engine
     from tests.workers.common import rel_err
 
-    import os
-    from fxmegatron.runtime.async_tp_guard import ALLOW
-    os.environ[ALLOW] = "1"     # the async_tp_model kind turns torch's async TP on: step anyway, to look
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda", torch.cuda.current_device())
