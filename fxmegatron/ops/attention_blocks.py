@@ -22,7 +22,7 @@ from torch import Tensor
 from fxmegatron.ops.own_thread import on_own_thread
 
 _aten = torch.ops.aten
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tuple[Tensor, Tensor]:
@@ -146,7 +146,7 @@ def _refused(name: str, exc: Exception) -> None:
 
 
 def _kernel_ok(q: Tensor) -> bool:
-    return q.is_cuda and q.dtype in _KERNEL_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    return q.is_cuda and q.dtype in KERNEL_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
 def _expand(x: Tensor, groups: int) -> Tensor:

@@ -17,17 +17,16 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxmegatron.ops.attention_blocks import KERNEL_DTYPES
 from fxmegatron.ops.fused_attention import attention
 from fxmegatron.passes.attention_rewrites import SDPA, sdpa_arg
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _eligible(n: fx.Node) -> bool:
     if sdpa_arg(n, "attn_mask") is not None or sdpa_arg(n, "dropout_p") != 0.0:
         return False
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in n.args[:3]]
-    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _KERNEL_DTYPES for t in vals):
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in KERNEL_DTYPES for t in vals):
         return False
     q, k, v = vals
     if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] or (q.shape[1] != k.shape[1] and not sdpa_arg(n, "enable_gqa")):
