@@ -324,7 +324,7 @@ def test_cp_attention_gloo_world4_and_subgroups():
 
 
 # ---- GPU (bf16) -------------------------------------------------------------------------------
-KERNEL_RAN = "error:context-parallel attention. the .* kernel refused"    # no silent fallback
+KERNEL_RAN = "error:fxmegatron attention. the .* kernel refused"    # no silent fallback
 @pytest.mark.gpu
 @pytest.mark.filterwarnings(KERNEL_RAN)
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

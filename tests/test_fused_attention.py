@@ -42,17 +42,19 @@ def test_op_passes_torch_library_opcheck():
 
 
 def _graph(dtype):
-    """Five SDPA nodes: eligible (causal, grouped heads), masked, with dropout, fp32 when dtype is
-    bf16, causal with fewer queries than keys."""
+    """Five SDPA nodes: eligible (causal, grouped heads), masked, with dropout, causal with fewer
+    queries than keys, a head dim of 12 (no fused kernel takes it)."""
     g = fx.Graph()
     mk = lambda name, *shape, dt=dtype: _ph(g, name, torch.empty(shape, dtype=dt, device="meta"))  # noqa: E731
     q, k, k2, v2 = mk("q", 2, 4, 6, 8), mk("k", 2, 2, 6, 8), mk("k2", 2, 4, 6, 8), mk("v2", 2, 4, 6, 8)
     q3, k3 = mk("q3", 2, 4, 3, 8), mk("k3", 2, 4, 6, 8)
+    q5 = mk("q5", 2, 4, 6, 12)
     mask = mk("mask", 6, 6, dt=torch.bool)
     outs = [g.call_function(SDPA, (q, k, k), {"is_causal": True, "enable_gqa": True}),
             g.call_function(SDPA, (q, k2, v2, mask)),
             g.call_function(SDPA, (q, k2, v2), {"dropout_p": 0.1}),
-            g.call_function(SDPA, (q3, k3, k3), {"is_causal": True})]
+            g.call_function(SDPA, (q3, k3, k3), {"is_causal": True}),
+            g.call_function(SDPA, (q5, q5, q5), {"is_causal": True})]
     for n in outs:
         args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args]
         n.meta["val"] = torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
@@ -70,7 +72,7 @@ def test_the_pass_takes_exactly_the_nodes_its_precondition_names():
     gm = fused_attention_kernel(_graph(torch.bfloat16))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(attention) == 1, targets        # only the unmasked, dropout-free, aligned one
-    assert targets.count(SDPA) == 3, targets
+    assert targets.count(SDPA) == 4, targets
     gm32 = fused_attention_kernel(_graph(torch.float32))  # fp32: no fused kernel takes it, SDPA stays
     assert all(n.target is not attention for n in gm32.graph.nodes)
 

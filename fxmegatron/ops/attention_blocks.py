@@ -141,12 +141,17 @@ def kernels() -> Tuple[str, ...]:
 
 def _refused(name: str, exc: Exception) -> None:
     # said once per place (warnings' own dedup): the next kernel, or the math path, is correct
-    warnings.warn(f"context-parallel attention: the {name} kernel refused ({str(exc).splitlines()[0]}); "
+    warnings.warn(f"fxmegatron attention: the {name} kernel refused ({str(exc).splitlines()[0]}); "
                   "trying the next (the last resort is plain math: correct, slow, memory-hungry)")
 
 
+def kernels_take(t: Tensor) -> bool:
+    """Whether the fused kernels take a q, k or v of this dtype and head dim (wherever it is)."""
+    return t.dtype in KERNEL_DTYPES and t.shape[-1] % 8 == 0 and t.shape[-1] <= 256
+
+
 def _kernel_ok(q: Tensor) -> bool:
-    return q.is_cuda and q.dtype in KERNEL_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    return q.is_cuda and kernels_take(q)
 
 
 def _expand(x: Tensor, groups: int) -> Tensor:

@@ -3,8 +3,8 @@ the same and its backward is fxmegatron's own (``ops/fused_attention.py``): aten
 backward can replay a graph another model in the process built for another grad-output layout,
 and then the gradients are wrong with no error (``ops/own_thread.py``).
 
-Precondition per node: no mask, no dropout, q/k/v 4-D in fp16 or bf16 (the dtypes the fused
-kernels take), k and v with the same heads, q's heads a multiple of theirs (grouped heads read
+Precondition per node: no mask, no dropout, q/k/v 4-D in fp16 or bf16 with a head dim the
+fused kernels take (a multiple of 8, at most 256; otherwise the op would fall back to math), k and v with the same heads, q's heads a multiple of theirs (grouped heads read
 as ``enable_gqa`` does, which SDPA would otherwise refuse unless the heads are equal), and with
 ``is_causal`` as many queries as keys (SDPA's causal mask is top-left aligned, as the op's is).
 Other SDPA nodes stay (a masked one or one with dropout: docs/TRAINING.md names the case). The
@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxmegatron.ops.attention_blocks import KERNEL_DTYPES
+from fxmegatron.ops.attention_blocks import kernels_take
 from fxmegatron.ops.fused_attention import attention
 from fxmegatron.passes.attention_rewrites import SDPA, sdpa_arg
 
@@ -26,7 +26,7 @@ def _eligible(n: fx.Node) -> bool:
     if sdpa_arg(n, "attn_mask") is not None or sdpa_arg(n, "dropout_p") != 0.0:
         return False
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in n.args[:3]]
-    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in KERNEL_DTYPES for t in vals):
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 or not kernels_take(t) for t in vals):
         return False
     q, k, v = vals
     if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] or (q.shape[1] != k.shape[1] and not sdpa_arg(n, "enable_gqa")):
