@@ -22,7 +22,7 @@ from torch import Tensor
 from fxmegatron.ops.own_thread import on_own_thread
 
 _aten = torch.ops.aten
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tuple[Tensor, Tensor]:
@@ -147,7 +147,7 @@ def _refused(name: str, exc: Exception) -> None:
 
 def kernels_take(t: Tensor) -> bool:
     """Whether the fused kernels take a q, k or v of this dtype and head dim (wherever it is)."""
-    return t.dtype in KERNEL_DTYPES and t.shape[-1] % 8 == 0 and t.shape[-1] <= 256
+    return t.dtype in _KERNEL_DTYPES and t.shape[-1] % 8 == 0 and t.shape[-1] <= 256
 
 
 def _kernel_ok(q: Tensor) -> bool:
@@ -201,13 +201,20 @@ def _cudnn_forward(q, k, v, *, causal, scale):
     return out, lse.reshape(q.shape[:3])
 
 
-def like_q(t: Tensor, q: Tensor) -> Tensor:
-    """``t`` (q's shape but its last dim) dense in q's order of dimensions, as cuDNN's forward
-    lays out its output: unchanged when it already is, else copied."""
+def dense_strides(shape, q: Tensor) -> list:
+    """The strides of a dense tensor of ``shape`` in q's order of dimensions: how cuDNN's forward
+    lays out its output."""
     order = sorted(range(q.dim()), key=lambda d: q.stride(d))     # innermost first, stable as torch's
     strides, step = [0] * q.dim(), 1
     for d in order:
-        strides[d], step = step, step * t.shape[d]
+        strides[d], step = step, step * shape[d]
+    return strides
+
+
+def like_q(t: Tensor, q: Tensor) -> Tensor:
+    """``t`` (q's shape but its last dim) dense in q's order of dimensions (``dense_strides``):
+    unchanged when it already is, else copied."""
+    strides = dense_strides(t.shape, q)
     if tuple(t.stride()) == tuple(strides):
         return t
     if all(t.stride(d) == strides[d] for d in range(t.dim()) if t.shape[d] > 1):    # size-1 dims' alone

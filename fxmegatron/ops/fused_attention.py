@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from fxmegatron.ops.attention_blocks import block_backward, block_forward, like_q
+from fxmegatron.ops.attention_blocks import block_backward, block_forward, dense_strides, like_q
 
 
 def _scale(scale: Optional[float], q: Tensor) -> float:
@@ -36,11 +36,7 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional
 
 def _strided(shape, q: Tensor) -> Tensor:
     """An empty tensor of ``shape`` laid out as ``like_q`` lays out the real one."""
-    order = sorted(range(q.dim()), key=lambda d: q.stride(d))
-    strides, step = [0] * q.dim(), 1
-    for d in order:
-        strides[d], step = step, step * shape[d]
-    return q.new_empty_strided(shape, strides)
+    return q.new_empty_strided(shape, dense_strides(shape, q))
 
 
 @_attention.register_fake

@@ -4,8 +4,9 @@ backward can replay a graph another model in the process built for another grad-
 and then the gradients are wrong with no error (``ops/own_thread.py``).
 
 Precondition per node: no mask, no dropout, q/k/v 4-D in fp16 or bf16 with a head dim the
-fused kernels take (a multiple of 8, at most 256; otherwise the op would fall back to math), k and v with the same heads, q's heads a multiple of theirs (grouped heads read
-as ``enable_gqa`` does, which SDPA would otherwise refuse unless the heads are equal), and with
+fused kernels take (a multiple of 8, at most 256; otherwise the op would fall back to math),
+k and v with the same heads, q's heads a multiple of theirs (grouped heads read as
+``enable_gqa`` does, which SDPA would otherwise refuse unless the heads are equal), and with
 ``is_causal`` as many queries as keys (SDPA's causal mask is top-left aligned, as the op's is).
 Other SDPA nodes stay (a masked one or one with dropout: docs/TRAINING.md names the case). The
 pass runs on CUDA ranks only, last, so every other pass and the dumps see SDPA.
@@ -29,7 +30,8 @@ def _eligible(n: fx.Node) -> bool:
     if any(not isinstance(t, torch.Tensor) or t.dim() != 4 or not kernels_take(t) for t in vals):
         return False
     q, k, v = vals
-    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] or (q.shape[1] != k.shape[1] and not sdpa_arg(n, "enable_gqa")):
+    grouped_ok = q.shape[1] == k.shape[1] or sdpa_arg(n, "enable_gqa")
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] or not grouped_ok:
         return False
     return not (sdpa_arg(n, "is_causal") and q.shape[2] != k.shape[2])
 

@@ -71,10 +71,8 @@ def node_flops(node: fx.Node, gm: fx.GraphModule) -> float:
         a = node.args[1] if pk in (aten.addmm, aten.baddbmm) else node.args[0]
         k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) else 1
         return 2.0 * _numel(out) * k
-    if pk is aten.scaled_dot_product_attention or name == "counter_dropout_attention":
-        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-        return 4.0 * q.numel() * k.shape[-2]
-    if getattr(pk, "_qualified_op_name", None) == "fxmegatron::attention":     # SDPA on CUDA
+    if pk is aten.scaled_dot_product_attention or name == "counter_dropout_attention" \
+            or getattr(pk, "_qualified_op_name", None) == "fxmegatron::attention":     # SDPA on CUDA
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
         return 4.0 * q.numel() * k.shape[-2]
     if getattr(pk, "_qualified_op_name", None) == "fxmegatron::cp_attention":   # keys of every cp rank
