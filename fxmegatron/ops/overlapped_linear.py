@@ -159,7 +159,8 @@ def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, grou
 def _mm_piece(out: Tensor, a: Tensor, wt: Tensor, bias: Optional[Tensor] = None, accumulate: bool = False) -> None:
     """``out`` = a @ wt (+ bias), or += a @ wt, in place. Contiguous pieces (batch pieces) are
     one 2-D matmul; sequence slices ([outer, rows, last] strided views) one batched matmul
-    over ``outer``, the weight broadcast (stride 0), written straight into the strided ``out``."""
+    over ``outer``, the weight broadcast (stride 0), written straight into the strided ``out``
+    (with a bias: one matmul per outer index, each into its contiguous matrix)."""
     k, n = wt.shape
     if out.is_contiguous() and a.is_contiguous():
         o2, a2 = out.view(-1, n), a.reshape(-1, k)
@@ -170,13 +171,18 @@ def _mm_piece(out: Tensor, a: Tensor, wt: Tensor, bias: Optional[Tensor] = None,
         else:
             torch.addmm(bias, a2, wt, out=o2)
         return
+    if bias is not None and not accumulate:
+        # baddbmm would first copy the broadcast bias into ``out`` (a pass over it); each
+        # outer slice of a sequence piece is a contiguous matrix, whose addmm adds the bias
+        # in the GEMM's epilogue
+        for i in range(a.shape[0]):
+            torch.addmm(bias, a[i], wt, out=out[i])
+        return
     w3 = wt.expand(a.shape[0], k, n)
     if accumulate:
         out.baddbmm_(a, w3)
-    elif bias is None:
-        torch.bmm(a, w3, out=out)
     else:
-        torch.baddbmm(bias, a, w3, out=out)
+        torch.bmm(a, w3, out=out)
 
 
 # ---- all-gather, then column-parallel linears -------------------------------------------------
