@@ -40,10 +40,14 @@ def test_ring_orders_cover_every_rank_once_per_step(world):
 
 @pytest.mark.parametrize("shape,dim,world", [((3, 8, 5), 1, 4), ((2, 6, 2, 4), 1, 3), ((1, 4, 3), 1, 2),
                                              ((2, 3, 4, 6), 2, 2)])
-def test_ring_reduce_scatter_and_gather_with_sequence_slices(shape, dim, world):
+@pytest.mark.parametrize("per_matrix", [False, True], ids=["batched", "per-matrix"])
+def test_ring_reduce_scatter_and_gather_with_sequence_slices(shape, dim, world, per_matrix, monkeypatch):
     """The ring's pieces as ``overlapped_linear`` makes them: products of sequence slices
     (batched matmuls into strided views), exchanged slot by slot, summed: the reduce-scatter
-    of the whole products; and the gathered linear, slice by slice, the linear of the whole."""
+    of the whole products; and the gathered linear, slice by slice, the linear of the whole
+    (a biased piece: one batched matmul, or one matmul per matrix as large pieces are)."""
+    import fxmegatron.ops.overlapped_linear as overlapped_linear
+    monkeypatch.setattr(overlapped_linear, "_LOOP_FLOPS", 0 if per_matrix else float("inf"))
     torch.manual_seed(0)
     k, n = shape[-1], 7
     ys = [torch.randn(shape) for _ in range(world)]

@@ -156,6 +156,12 @@ def _scatter_in_pieces(like: Tensor, full: List[int], dim: int, world: int, grou
     return out, wait_all
 
 
+# a matmul of fewer FLOPs than this (~50 us on an H100) takes about as long as the host takes to
+# launch it, a few per piece: 1024 x 4096 x 2048 per matrix left the GPU idle 15 ms of a 175 ms
+# gpt6.7b tp2 step when launched one matrix at a time
+_LOOP_FLOPS = 4e10
+
+
 def _mm_piece(out: Tensor, a: Tensor, wt: Tensor, bias: Optional[Tensor] = None, accumulate: bool = False) -> None:
     """``out`` = a @ wt (+ bias), or += a @ wt, in place. Contiguous pieces (batch pieces) are
     one 2-D matmul; sequence slices ([outer, rows, last] strided views) one batched matmul
@@ -171,18 +177,20 @@ def _mm_piece(out: Tensor, a: Tensor, wt: Tensor, bias: Optional[Tensor] = None,
         else:
             torch.addmm(bias, a2, wt, out=o2)
         return
-    if bias is not None and not accumulate:
+    if bias is not None and not accumulate and 2 * a[0].numel() * n >= _LOOP_FLOPS:
         # baddbmm would first copy the broadcast bias into ``out`` (a pass over it); each
         # outer slice of a sequence piece is a contiguous matrix, whose addmm adds the bias
-        # in the GEMM's epilogue
+        # in the GEMM's epilogue: worth its launches where each matrix is large
         for i in range(a.shape[0]):
             torch.addmm(bias, a[i], wt, out=out[i])
         return
     w3 = wt.expand(a.shape[0], k, n)
     if accumulate:
         out.baddbmm_(a, w3)
-    else:
+    elif bias is None:
         torch.bmm(a, w3, out=out)
+    else:
+        torch.baddbmm(bias, a, w3, out=out)
 
 
 # ---- all-gather, then column-parallel linears -------------------------------------------------
