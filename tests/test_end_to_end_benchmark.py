@@ -46,9 +46,10 @@ def passed(out, rows):
 
 
 def test_benchmark_layouts_match_the_plain_model():
-    # -fadam: still accepted, a no-op (every row uses --optimizer's FusedAdamW)
+    # -fadam: still accepted, a no-op (every row uses --optimizer's FusedAdamW); one compiled
+    # row (inductor on CPU is most of this test's time), the dp and pp builders eager
     out = two_processes(["--tiny", *SMOKE, "--steps", "1", "--warmup", "1", "--layers", "2", "--layouts",
-                         "native-tp2,fx-tp2,fx-tp2-compile-fadam,fx-dp2-compile,fx-pp2-v1-1f1b-compile"])
+                         "native-tp2,fx-tp2,fx-tp2-compile-fadam,fx-dp2,fx-pp2-v1-1f1b"])
     passed(out, 5)
 
 
