@@ -166,7 +166,8 @@ def _mm_piece(out: Tensor, a: Tensor, wt: Tensor, bias: Optional[Tensor] = None,
     """``out`` = a @ wt (+ bias), or += a @ wt, in place. Contiguous pieces (batch pieces) are
     one 2-D matmul; sequence slices ([outer, rows, last] strided views) one batched matmul
     over ``outer``, the weight broadcast (stride 0), written straight into the strided ``out``
-    (with a bias: one matmul per outer index, each into its contiguous matrix)."""
+    (a biased one of at least ``_LOOP_FLOPS`` per matrix: one matmul per outer index, each into
+    its contiguous matrix)."""
     k, n = wt.shape
     if out.is_contiguous() and a.is_contiguous():
         o2, a2 = out.view(-1, n), a.reshape(-1, k)
