@@ -123,8 +123,10 @@ def breakdown(trace_events) -> Optional[Dict[str, float]]:
 
 
 def profiled_step(step, lay, args, dev, rank):
-    """One more step; rank 0 runs it under torch.profiler, writes the trace and returns the breakdown."""
-    if rank != 0:
+    """One more step; rank 0 runs it under torch.profiler, writes the trace and returns the breakdown.
+    With ``--profile-dir`` every rank runs it under the profiler and writes its trace (to see
+    which rank another waits for); rank 0's breakdown is still the one returned."""
+    if rank != 0 and not args.profile_dir:
         sync(dev)
         dist.barrier()
         step()
@@ -140,8 +142,10 @@ def profiled_step(step, lay, args, dev, rank):
             sync(dev)
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
-        path = os.path.join(args.profile_dir, f"{lay.name}.rank0.json")
+        path = os.path.join(args.profile_dir, f"{lay.name}.rank{rank}.json")
         p.export_chrome_trace(path)
+        if rank != 0:
+            return None
     else:
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
