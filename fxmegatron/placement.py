@@ -192,3 +192,29 @@ def placement_from_json(j) -> Placement:
     if j == "R":
         return R
     return Shard(j["dim"], tuple(j["blocks"]) if j["blocks"] else None)
+
+
+def join_layout(pieces: Mapping[Tuple[int, ...], torch.Tensor], layout: Placements,
+                degrees: Mapping[str, int]) -> torch.Tensor:
+    """Inverse of ``take_layout`` over every rank: the full tensor from the pieces, keyed by
+    the ranks on ``layout.sharded()`` (in that order; axes of degree 1 included). The last
+    axis cut is joined first."""
+    axes = layout.sharded()
+    if not axes:
+        return next(iter(pieces.values()))
+    *outer, last = axes
+    joined = {}
+    for key in sorted({k[:-1] for k in pieces}):
+        parts = [pieces[key + (r,)] for r in range(degrees.get(last, 1))]
+        joined[key] = join_shards(parts, layout.on(last)) if len(parts) > 1 else parts[0]
+    return join_layout(joined, Placements.of(**{a: layout.on(a) for a in outer}), degrees)
+
+
+def layout_to_json(layout: Placements) -> dict:
+    """The JSON form of a parameter's layout (checkpoints, stage folders): {axis: the axis's
+    ``placement_to_json``} for every axis that shards it."""
+    return {a: placement_to_json(layout.on(a)) for a in layout.sharded()}
+
+
+def layout_from_json(j: Mapping[str, object]) -> Placements:
+    return Placements.of(**{a: placement_from_json(p) for a, p in j.items()})

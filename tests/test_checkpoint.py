@@ -40,6 +40,49 @@ def test_resume_is_bitwise(straight, saved):
     assert first + second == straight          # exact float equality
 
 
+def _as_tp_only_form(src: str, dst: str) -> None:
+    """Rewrite a checkpoint's pieces in the form written before per-axis layouts: tp's
+    placement, the writer's tp rank and tp's degree ({"placement", "tp_rank", "tp"}; every tp
+    rank listed a replicated tensor under its own rank), the index's digests updated."""
+    import hashlib
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    shutil.copytree(src, dst)
+    index = json.load(open(os.path.join(dst, "index.json")))
+    tp = index["layout"]["tp"]
+    for fname in index["files"]:
+        path = os.path.join(dst, fname)
+        with safe_open(path, "pt") as f:
+            meta, tensors = json.loads(f.metadata()["fxmegatron"]), {k: f.get_tensor(k) for k in f.keys()}
+        rank = int(fname.split("-tp")[1].split(".")[0])
+        old = {}
+        for key, m in meta.items():
+            assert set(m) == {"layout", "coords", "degrees", "shape"}, m
+            if "tp" in m["layout"]:
+                old[key] = {"placement": m["layout"]["tp"], "tp_rank": m["coords"]["tp"], "tp": m["degrees"]["tp"],
+                            "shape": m["shape"]}
+            elif m["shape"] == list(tensors[key].shape) and tensors[key].dim() > 0:
+                old[key] = {"placement": "R", "tp_rank": rank, "tp": tp, "shape": m["shape"]}
+            else:
+                old[key] = {"placement": "R", "tp_rank": 0, "tp": 1, "shape": m["shape"]}
+        save_file(tensors, path, metadata={"fxmegatron": json.dumps(old)})
+        with open(path, "rb") as f:
+            index["digests"][fname] = {"sha256": hashlib.file_digest(f, "sha256").hexdigest(),
+                                       "bytes": os.path.getsize(path)}
+    json.dump(index, open(os.path.join(dst, "index.json"), "w"))
+
+
+def test_a_checkpoint_of_the_tp_only_form_resumes_bitwise_and_reshards(straight, saved, tmp_path):
+    d, first = saved
+    old = str(tmp_path / "old")
+    _as_tp_only_form(d, old)
+    assert run_distributed(ckpt_run, 4, SAVE_LAYOUT, 3, 3, old)[0] == straight[3:]
+    nxt = run_distributed(ckpt_run, 4, (1, 1, 4), 1, 3, old)[0]
+    assert abs(nxt[0] - straight[3]) <= 1e-5 * abs(straight[3]), (nxt, straight)
+
+
 @pytest.mark.parametrize("layout", [(1, 1, 4), (2, 2, 1)], ids=["dp1-pp1-tp4", "dp2-pp2-tp1"])
 def test_reshard(straight, saved, layout):
     d, _ = saved

@@ -12,6 +12,7 @@ import pytest
 
 from fxmegatron.errors import CompiledFolderError
 from fxmegatron.io import stage_folder
+from fxmegatron.placement import R
 
 from tests.distributed import run_distributed
 from tests.workers import inprocess_lm_losses
@@ -182,6 +183,24 @@ def test_an_untouched_folder_loads(folder, rank0_mesh):
                                                  for f in ("stage.py", "weights.safetensors")]
     pm = stage_folder.load_folder(folder, rank0_mesh)
     assert sum(p.numel() for p in pm.parameters()) > 0
+
+
+def test_a_folder_with_tp_only_placements_loads_the_same(folder, copied, rank0_mesh):
+    """Folders written before per-axis layouts list each parameter's tp ``placement``; they
+    load with the same placements as today's ``layout``."""
+    path = os.path.join(copied, "manifest.json")
+    man = json.load(open(path))
+    assert any(p["layout"] for p in man["params"]) and any(not p["layout"] for p in man["params"])
+    for p in man["params"]:
+        layout = p.pop("layout")
+        assert set(layout) <= {"tp"}, layout
+        p["placement"] = layout.get("tp", "R")
+    json.dump(man, open(path, "w"))
+    now, old = stage_folder.load_folder(folder, rank0_mesh), stage_folder.load_folder(copied, rank0_mesh)
+    names = [n for n, _ in now.named_parameters()]
+    assert names == [n for n, _ in old.named_parameters()]
+    assert [now.placement(n) for n in names] == [old.placement(n) for n in names]
+    assert any(now.placement(n) != R for n in names)
 
 
 def test_launch_refuses_a_changed_folder_before_starting(copied):

@@ -18,7 +18,8 @@ from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import plan_context_parallel
 from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq, from_placement, to_placement
 from fxmegatron.passes.tensor_parallel import plan_tensor_parallel
-from fxmegatron.placement import P, Partial, Placements, R, Replicate, Shard, join_shards, take_layout, take_shard
+from fxmegatron.placement import (P, Partial, Placements, R, Replicate, Shard, join_layout, join_shards, layout_from_json,
+                                  layout_to_json, take_layout, take_shard)
 from tests.families import FAMILIES, make_batch
 
 
@@ -106,6 +107,25 @@ def test_take_layout_cuts_over_the_axes_that_shard():
         assert all(torch.equal(p, take_shard(full, qkv, r, world)) for r, p in enumerate(pieces))
     assert take_layout(full, Placements(), {"tp": (1, 2)}) is full
     assert take_layout(full, Placements.of(tp=Shard(0)), {}) is full     # an axis not in the mesh cuts nothing
+
+
+@pytest.mark.parametrize("layout", [Placements.of(tp=Shard(1, (8, 8, 8))),
+                                    Placements.of(ep=Shard(0), tp=Shard(1, (8, 8, 8))),
+                                    Placements.of(ep=Shard(1), tp=Shard(1)), Placements()],
+                         ids=["tp-blocks", "ep-rows-tp-blocks", "ep-and-tp-one-dim", "replicated"])
+def test_join_layout_puts_back_what_take_layout_cut_over_every_axis(layout):
+    """The checkpoint's reassembly: pieces keyed by the coordinates on the cutting axes, in the
+    layout's axis order, joined back to the whole tensor at every degree."""
+    import torch
+    full = torch.arange(4 * 24.0).reshape(4, 24)
+    for degrees in ({"ep": 1, "tp": 2}, {"ep": 2, "tp": 2}, {"ep": 4, "tp": 1}, {"ep": 2, "tp": 4}):
+        if layout.on("ep") == Shard(1) and 24 % (degrees["ep"] * degrees["tp"]):
+            continue
+        axes = layout.sharded()
+        pieces = {at: take_layout(full, layout, {a: (r, degrees[a]) for a, r in zip(axes, at)})
+                  for at in itertools.product(*(range(degrees[a]) for a in axes))}
+        assert torch.equal(join_layout(pieces, layout, degrees), full), (layout, degrees)
+    assert layout_from_json(layout_to_json(layout)) == layout
 
 
 def test_gather_layout_on_axes_of_one_copies_and_refuses_a_partial():

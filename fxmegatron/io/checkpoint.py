@@ -7,9 +7,11 @@
 * **Atomic**: files go to ``DIR.tmp``. ``index.json`` is written last, and the
   folder is then renamed to ``DIR``. A folder without an index is never loaded,
   so a save that dies half-way cannot be taken for a complete one.
-* **Reshardable**: a tensor is reassembled from the saved tp pieces (``join_shards``)
-  and cut for the loading layout (``take_layout``: the parameter's placement per mesh
-  axis), so a checkpoint saved at one (dp, pp, tp) loads at another.
+* **Reshardable**: each piece records its layout per mesh axis, the writer's coordinate and
+  the degree on every axis that cuts it; a tensor is reassembled from the pieces
+  (``join_layout``) and cut for the loading layout (``take_layout``), so a checkpoint saved
+  at one (dp, pp, cp, tp) loads at another. Pieces written before the per-axis form (tp's
+  placement, ``tp_rank``, ``tp``) are read as tp's layout.
 * **No pickles**: safetensors and JSON only; loading executes no stored code.
 * **Checked**: ``index.json`` records each shard's sha256 and size, checked when a rank first
   reads from the shard; the checkpoint's parameters are compared with the model's (names and
@@ -24,6 +26,7 @@ a fused QKV weight (``Shard(dim, blocks)``). The on-disk layout here is what
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -36,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fxmegatron.errors import CheckpointError
-from fxmegatron.placement import join_shards, placement_from_json, placement_to_json, take_layout
+from fxmegatron.placement import Placements, join_layout, layout_from_json, layout_to_json, take_layout
 from fxmegatron.ops.dropout import DropoutRng
 
 FORMAT = "fxmegatron-checkpoint/1"
@@ -79,6 +82,24 @@ def _rng_modules(pm) -> List[DropoutRng]:
     return [m for m in pm.modules() if isinstance(m, DropoutRng)]
 
 
+def _piece_meta(layout: Placements, coords, shape) -> dict:
+    """What a shard records of one tensor it holds: its layout per mesh axis, this rank's
+    coordinate and the degree on each axis that cuts it, the whole tensor's shape."""
+    axes = layout.sharded()
+    return {"layout": layout_to_json(layout), "coords": {a: coords.get(a, (0, 1))[0] for a in axes},
+            "degrees": {a: coords.get(a, (0, 1))[1] for a in axes}, "shape": list(shape)}
+
+
+def _per_axis(m: dict) -> dict:
+    """A piece's metadata in the per-axis form; checkpoints written before it recorded tp
+    alone ({"placement", "tp_rank", "tp"})."""
+    if "layout" in m:
+        return m
+    sharded = m["placement"] != "R"
+    return {"layout": {"tp": m["placement"]} if sharded else {}, "coords": {"tp": m["tp_rank"]} if sharded else {},
+            "degrees": {"tp": m["tp"]} if sharded else {}, "shape": m["shape"]}
+
+
 def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
          write_files: Optional[Callable[[str], None]] = None) -> None:
     """Save ``pm``'s parameters and ``optimizer``'s state (collective: every rank calls it).
@@ -89,13 +110,14 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    if pm.dp_rank == 0 and getattr(pm, "cp_rank", 0) == 0:
+    coords = pm.coords()
+    if coords["dp"] == 0 and coords["cp"] == 0:
         tensors, meta = {}, {}
         for name, p in pm.named_parameters():
             key = "model/" + name
             tensors[key] = p.detach().contiguous().cpu()
-            meta[key] = {"placement": placement_to_json(pm.placement(name)), "tp_rank": pm.tp_rank,
-                         "tp": pm.tp_size, "shape": list(pm.program.global_params[name][0])}
+            meta[key] = _piece_meta(pm.program.param_layout(name), pm.program.coords(),
+                                    pm.program.global_params[name][0])
         names = _names(pm, optimizer)
         for p, st in (optimizer.state.items() if optimizer is not None else ()):
             name = names[id(p)]
@@ -107,8 +129,10 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
                 if v.shape == p.shape:
                     meta[key] = dict(meta["model/" + name])
                 else:
-                    meta[key] = {"placement": "R", "tp_rank": 0, "tp": 1, "shape": list(v.shape)}
-        shard = f"{tmp}/shard-pp{pm.pp_rank}-tp{pm.tp_rank}.safetensors"
+                    meta[key] = _piece_meta(Placements(), {}, v.shape)
+        # one file per writer: named by every axis that tells writers apart (dp and cp do not)
+        who = "-".join(f"{a}{r}" for a, r in sorted(coords.items()) if a not in ("dp", "cp"))
+        shard = f"{tmp}/shard-{who}.safetensors"
         save_file(tensors, shard, metadata={"fxmegatron": json.dumps(meta)})
         # Each writer hashes its own shard (no rank reads the whole checkpoint) and leaves the
         # digest beside it for rank 0's index: files, as the shards are, so no new collective.
@@ -129,8 +153,7 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
         for g in (optimizer.param_groups if optimizer is not None else ()):
             groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"})
         index = {"format": FORMAT,
-                 "layout": {"dp": pm.dp_size, "pp": pm.pp_size, "tp": pm.tp_size,
-                            **({"cp": pm.cp_size} if getattr(pm, "cp_size", 1) > 1 else {})},
+                 "layout": {a: n for a, n in pm.degrees().items() if a != "cp" or n > 1},
                  "files": files,
                  "digests": digests,
                  "param_groups": groups,
@@ -189,7 +212,9 @@ class _Reader:
                 raise CheckpointError(f"{fpath}: not a readable checkpoint shard ({type(exc).__name__}: "
                                       f"{exc})") from exc
             for key, m in meta.items():
-                self.pieces.setdefault(key, {})[m["tp_rank"]] = (fpath, m)
+                m = _per_axis(m)
+                at = tuple(m["coords"][a] for a in layout_from_json(m["layout"]).sharded())
+                self.pieces.setdefault(key, {})[at] = (fpath, m)
 
     def verify(self, fpath: str) -> None:
         """CheckpointError when ``fpath``'s sha256 is not the one its index recorded."""
@@ -222,19 +247,22 @@ class _Reader:
     def full(self, key: str) -> torch.Tensor:
         pieces = self.pieces[key]
         m0 = next(iter(pieces.values()))[1]
-        tp = m0["tp"]
-        if sorted(pieces) != list(range(tp)):
-            raise CheckpointError(f"{self.directory}: {key}: pieces {sorted(pieces)} of tp={tp} in the checkpoint")
-        parts = []
-        for r in range(tp):
-            fpath, _ = pieces[r]
+        layout = layout_from_json(m0["layout"])
+        degrees = {a: m0["degrees"][a] for a in layout.sharded()}
+        want = list(itertools.product(*(range(degrees[a]) for a in layout.sharded())))
+        if sorted(pieces) != want:
+            raise CheckpointError(f"{self.directory}: {key}: pieces {sorted(pieces)} over "
+                                  f"{', '.join(f'{a}={n}' for a, n in degrees.items())} in the checkpoint")
+        parts = {}
+        for at in want:
+            fpath, _ = pieces[at]
             self.verify(fpath)
             try:
                 with safe_open(fpath, "pt") as f:
-                    parts.append(f.get_tensor(key))
+                    parts[at] = f.get_tensor(key)
             except SafetensorError as exc:
                 raise CheckpointError(f"{fpath}: cannot read {key} ({exc})") from exc
-        full = join_shards(parts, placement_from_json(m0["placement"]))
+        full = join_layout(parts, layout, degrees)
         if list(full.shape) != m0["shape"]:
             raise CheckpointError(f"{self.directory}: {key}: reassembled shape {list(full.shape)} != saved "
                                   f"{m0['shape']}")

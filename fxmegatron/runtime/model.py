@@ -44,11 +44,12 @@ class ParallelModel(nn.Module):
         check_grad_accum_dtype(grad_accum_dtype)
         self.program = program
         ax = program.axes
-        self.tp_size, self.tp_rank = ax["tp"].size, ax["tp"].rank
-        self.pp_size, self.pp_rank = ax["pp"].size, ax["pp"].rank
-        self.dp_size, self.dp_rank = ax["dp"].size, ax["dp"].rank
-        cp = ax.get("cp")
-        self.cp_size, self.cp_rank = (cp.size, cp.rank) if cp is not None else (1, 0)
+        # shorthands of coords() / degrees() for the four axes every layout has
+        c, n = self.coords(), self.degrees()
+        self.tp_size, self.tp_rank = n["tp"], c["tp"]
+        self.pp_size, self.pp_rank = n["pp"], c["pp"]
+        self.dp_size, self.dp_rank = n["dp"], c["dp"]
+        self.cp_size, self.cp_rank = n["cp"], c["cp"]
         self.microbatches = program.microbatches
         self.graph_module = program.graph_module
         # the first steps check that every tp and pp rank got the same batch (see check_same_batch)
@@ -95,6 +96,17 @@ class ParallelModel(nn.Module):
         for name in self.program.param_order:
             if name in params:
                 yield (prefix + "." + name if prefix else name), params[name]
+
+    def coords(self) -> Dict[str, int]:
+        """This rank's coordinate on every mesh axis: {"dp": .., "pp": .., "cp": .., "tp": ..}
+        (an axis the mesh does not have: 0), and any further axis of the program."""
+        return {"dp": 0, "pp": 0, "cp": 0, "tp": 0,
+                **{a: r for a, (r, _) in self.program.coords().items() if a != "dp_cp"}}
+
+    def degrees(self) -> Dict[str, int]:
+        """The size of every mesh axis, as ``coords()`` names them (absent: 1)."""
+        return {"dp": 1, "pp": 1, "cp": 1, "tp": 1,
+                **{a: n for a, (_, n) in self.program.coords().items() if a != "dp_cp"}}
 
     def placement(self, name: str) -> Placement:
         """How parameter ``name`` (original model's name) is split over tp."""

@@ -20,6 +20,10 @@ def ckpt_run(rank, world, layout, steps, first_step=0, load_dir=None, save_dir=N
     model = models.build(name, dropout=dropout, n_layer=4)
     pm = fxmegatron.parallelize(model, mesh, models.batch(name, batch_size=8), seed=3,
                                 microbatches=microbatches if pp > 1 else 1)
+    # the rank's coordinate on every axis, as the mesh has it (cp absent: 0 of 1)
+    at = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    assert pm.coords() == {"dp": at["dp"], "pp": at["pp"], "cp": 0, "tp": at["tp"]}, pm.coords()
+    assert pm.degrees() == {"dp": dp, "pp": pp, "cp": 1, "tp": tp}, pm.degrees()
     sched = None
     if fused_adam:      # as a training script sets it up: no decay on biases and norms, a schedule
         from fxmegatron.optim import FusedAdamW

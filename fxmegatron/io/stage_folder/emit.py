@@ -25,7 +25,7 @@ from fxmegatron.io.stage_folder.check import FORMAT, MANIFEST, file_sha256
 from fxmegatron.lower.materialize import is_module
 from fxmegatron.ops.dropout import DropoutRng
 from fxmegatron.passes.recompute import Recomputed
-from fxmegatron.placement import placement_to_json
+from fxmegatron.placement import layout_to_json
 
 
 # ---- emitting source --------------------------------------------------------------------
@@ -165,7 +165,7 @@ def write_folder(pm, folder: str) -> None:
             "aliases": dict(prog.aliases),
             "params": [{"name": n, "shape": list(prog.global_params[n][0]),
                         "dtype": _dtype_name(prog.global_params[n][1]),
-                        "placement": placement_to_json(prog.placements.get(n))} for n in prog.param_order],
+                        "layout": layout_to_json(prog.param_layout(n))} for n in prog.param_order],
             "sequence_parallel": prog.sequence_parallel,
             "recompute": prog.recompute,
             "chunks": [{"index": c.index, "units": c.units, "cost": c.cost, "params": c.params,

@@ -19,7 +19,7 @@ from fxmegatron.lower.rank_passes import DP_SEED_STRIDE
 from fxmegatron.errors import CompiledFolderError
 from fxmegatron.io.stage_folder.check import CheckedFolder, check_folder
 from fxmegatron.ops.dropout import DropoutRng
-from fxmegatron.placement import placement_from_json
+from fxmegatron.placement import layout_from_json, placement_from_json
 
 
 def attach(root: nn.Module, path: str, value) -> None:
@@ -94,7 +94,9 @@ def load_folder(folder: Union[str, CheckedFolder], mesh, device=None, grad_accum
                                  None if s.get("eval_shape") is None else tuple(s["eval_shape"])) for s in v]
              for k, v in man["specs"].items()}
     shared = {n: (tuple(s["shape"]), getattr(torch, s["dtype"])) for n, s in man["shared"].items()}
-    placements = {p["name"]: placement_from_json(p["placement"]) for p in man["params"]}
+    # per axis ("layout"); folders written before it hold tp's placement alone ("placement")
+    placements = {p["name"]: layout_from_json(p["layout"]).on("tp") if "layout" in p
+                  else placement_from_json(p["placement"]) for p in man["params"]}
     count = _token_count(stage_mod, man, device, dp.size, folder)
     program = RankProgram(
         axes=axes, device=torch.device(device), in_spec=pytree.treespec_loads(man["in_spec"]),
