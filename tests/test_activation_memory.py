@@ -1,5 +1,9 @@
 """Activation memory (bytes saved for backward per layer, per rank) at s=256, h=256,
-8 heads, b=2, tp=2, measured with saved_tensors_hooks on two gloo processes."""
+8 heads, b=2, tp=2, measured with saved_tensors_hooks on two gloo processes.
+
+The processes are tests/distributed.py's forked workers running the benchmark's own
+``measure`` (what ``activation_memory.run`` runs in each process it spawns): a spawned process
+would import torch and fxmegatron again (seconds of CPU each). Rank 0's numbers, as ``run``."""
 import pytest
 
 S, H, A, B, T = 256, 256, 8, 2, 2
@@ -7,8 +11,10 @@ S, H, A, B, T = 256, 256, 8, 2, 2
 
 @pytest.fixture(scope="module")
 def measured():
-    from activation_memory import run
-    return run(S, H, A, B, T)
+    from activation_memory import measure
+
+    from tests.distributed import run_distributed
+    return run_distributed(measure, T, S, H, A, B)[0]
 
 
 def test_tp_sp_saves_at_most_1_1_over_t(measured):
