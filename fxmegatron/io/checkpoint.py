@@ -247,8 +247,7 @@ class _Reader:
     def full(self, key: str) -> torch.Tensor:
         pieces = self.pieces[key]
         m0 = next(iter(pieces.values()))[1]
-        layout = layout_from_json(m0["layout"])
-        degrees = {a: m0["degrees"][a] for a in layout.sharded()}
+        layout, degrees = layout_from_json(m0["layout"]), m0["degrees"]     # degrees: the cutting axes
         want = list(itertools.product(*(range(degrees[a]) for a in layout.sharded())))
         if sorted(pieces) != want:
             raise CheckpointError(f"{self.directory}: {key}: pieces {sorted(pieces)} over "

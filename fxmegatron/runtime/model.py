@@ -97,16 +97,19 @@ class ParallelModel(nn.Module):
             if name in params:
                 yield (prefix + "." + name if prefix else name), params[name]
 
+    def _axes(self) -> Dict[str, Tuple[int, int]]:
+        # every mesh axis, not the flattened dp × cp group of the gradient sum
+        return {"dp": (0, 1), "pp": (0, 1), "cp": (0, 1), "tp": (0, 1),
+                **{a: rn for a, rn in self.program.coords().items() if a != "dp_cp"}}
+
     def coords(self) -> Dict[str, int]:
         """This rank's coordinate on every mesh axis: {"dp": .., "pp": .., "cp": .., "tp": ..}
         (an axis the mesh does not have: 0), and any further axis of the program."""
-        return {"dp": 0, "pp": 0, "cp": 0, "tp": 0,
-                **{a: r for a, (r, _) in self.program.coords().items() if a != "dp_cp"}}
+        return {a: r for a, (r, _) in self._axes().items()}
 
     def degrees(self) -> Dict[str, int]:
         """The size of every mesh axis, as ``coords()`` names them (absent: 1)."""
-        return {"dp": 1, "pp": 1, "cp": 1, "tp": 1,
-                **{a: n for a, (_, n) in self.program.coords().items() if a != "dp_cp"}}
+        return {a: n for a, (_, n) in self._axes().items()}
 
     def placement(self, name: str) -> Placement:
         """How parameter ``name`` (original model's name) is split over tp."""
