@@ -104,9 +104,14 @@ def test_tokenizer_larger_than_the_models_vocabulary(tmp_path, monkeypatch, caps
 
 @pytest.mark.slow
 def test_under_torchrun_one_line(tmp_path):
-    """As a user sees it: torchrun, 2 processes, a layout for 4."""
+    """As a user sees it: torchrun, 2 processes, a layout for 4. Local rank 0, the one that prints,
+    is made the slowest to start (a sitecustomize sleeps in it): the other, failing first, must not
+    end the job before the line is out (torchrun ends every worker once one has failed)."""
     cfg = write_config(tmp_path / "c.toml", base(tmp_path, layout={"tp": 4}))
-    r = train(cfg, 2, timeout=120)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(3)\n")
+    r = train(cfg, 2, timeout=120, extra_env={"PYTHONPATH": str(tmp_path / "site")})
     assert r.returncode != 0
     errors = [ln for ln in r.stdout.splitlines() if ln.startswith("fxmegatron train: error:")]
     assert errors == [f"fxmegatron train: error: {cfg}: layout dp 1 x pp 1 x cp 1 x tp 4 = 4, but 2 processes "
