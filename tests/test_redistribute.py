@@ -85,9 +85,9 @@ def test_every_kind_of_tp_edge_is_a_row_and_a_plan_lists_its_edges():
 
     from fxmegatron.capture import capture
     from fxmegatron.passes.tensor_parallel import plan_tensor_parallel
-    from fxmegatron.passes.tensor_parallel.plan import EDGE_KINDS
+    from fxmegatron.passes.tensor_parallel.plan import CHANGES
     from tests.families import FAMILIES, make_batch
-    for _, forward, backward in EDGE_KINDS:
+    for forward, backward in CHANGES:
         find("tp", forward, backward)
     fam = FAMILIES["gpt2"]
     cap = capture(fam.build(1), make_batch(fam, 0))
@@ -95,7 +95,9 @@ def test_every_kind_of_tp_edge_is_a_row_and_a_plan_lists_its_edges():
     edges = list(plan.edges())
     counts = {(e.forward, e.backward) for e in edges}
     assert {("R->R", "P->R"), ("P->S", "S->R"), ("S->R", "P->S")} <= counts, counts     # f, sp's g and f
-    assert len(edges) == sum(len(getattr(plan, k)) for k, _, _ in EDGE_KINDS)
+    assert len(edges) == len(plan.changes)
+    order = [CHANGES.index((e.forward, e.backward)) for e in edges]
+    assert order == sorted(order)                    # change by change, as the rewrite inserts them
     assert all((e.dim is None) == (e.forward == "R->R" or e.forward == "P->R") for e in edges)
 
 

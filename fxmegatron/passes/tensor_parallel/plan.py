@@ -3,7 +3,7 @@ and the signal a rule raises when it learnt a constraint (``Restart``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Set, Tuple
+from typing import Dict, Iterator, Optional, Set, Tuple
 
 import torch.fx as fx
 
@@ -21,11 +21,16 @@ class Decision:
     reason: str = ""
 
 
-# every kind of edge of a plan is one row of the redistribution table, in the order the
-# rewrite inserts them (node names follow that order: the pinned plans depend on it)
-EDGE_KINDS = (("g_edges", "P->R", "R->R"), ("scatter_edges", "P->S", "S->R"), ("gather_edges", "S->R", "P->S"),
-              ("gather_full_edges", "S->R", "R->S"), ("split_edges", "R->S", "S->R"), ("f_edges", "R->R", "P->R"),
-              ("slice_edges", "R->S", "S->P"))
+# tp's changes of placement, (forward, backward) rows of the redistribution table, in the
+# order the rewrite inserts them (node names follow that order: the pinned plans depend on it)
+G = ("P->R", "R->R")                    # Megatron's g: partial sums made whole
+SCATTER = ("P->S", "S->R")              # sequence parallelism's g
+GATHER_INTO_COLUMN = ("S->R", "P->S")   # sequence parallelism's f: a gather into a column matmul
+GATHER = ("S->R", "R->S")               # a sequence shard gathered anywhere else
+SPLIT = ("R->S", "S->R")                # a replicated value into the sequence-split region
+F = ("R->R", "P->R")                    # Megatron's f
+SLICE = ("R->S", "S->P")                # this rank's slice, no communication
+CHANGES = (G, SCATTER, GATHER_INTO_COLUMN, GATHER, SPLIT, F, SLICE)
 
 
 @dataclass
@@ -36,14 +41,10 @@ class TPPlan:
     rules: Dict[fx.Node, str] = field(default_factory=dict)        # which rule placed each node
     param_plc: Dict[str, Placement] = field(default_factory=dict)
     replicated_params: Dict[str, str] = field(default_factory=dict)
-    g_edges: Dict[fx.Node, Set[fx.Node]] = field(default_factory=dict)
-    f_edges: Dict[fx.Node, Set[fx.Node]] = field(default_factory=dict)
-    slice_edges: Dict[Tuple[fx.Node, int], Set[fx.Node]] = field(default_factory=dict)
+    # every change of placement the rules asked for, one Edge per (change, value[, dim]), in the
+    # order first asked (``add``; ``edges`` lists them by change, in that order within one)
+    changes: Dict[tuple, Edge] = field(default_factory=dict)
     arg_rewrites: Dict[fx.Node, tuple] = field(default_factory=dict)
-    scatter_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)
-    gather_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)       # into column matmuls
-    gather_full_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)  # anywhere else
-    split_edges: Dict[fx.Node, Tuple[int, Set[fx.Node]]] = field(default_factory=dict)
     # a whole key/value that each rank slices to the kv heads its query heads use:
     # (attention, arg index) -> (dim, (start, length) per rank, f before the slice)
     head_slices: Dict[Tuple[fx.Node, int], Tuple[int, Tuple[Tuple[int, int], ...], bool]] = \
@@ -53,14 +54,41 @@ class TPPlan:
     sequence_parallel: bool = False
     attempts: int = 0
 
+    @staticmethod
+    def _key(change, value, dim):
+        # a slice is cut per dim; a gather, scatter or split keeps the dim it was first asked at
+        return (change, value, dim) if change == SLICE else (change, value)
+
+    def add(self, change: Tuple[str, str], value: fx.Node, consumer: fx.Node, dim: Optional[int] = None) -> None:
+        """``consumer`` reads ``value`` through ``change`` (one of ``CHANGES``), along ``dim``."""
+        key = self._key(change, value, dim)
+        if key not in self.changes:
+            self.changes[key] = Edge("tp", value, set(), change[0], change[1], dim)
+        self.changes[key].consumers.add(consumer)
+
+    def _edge(self, change, value, dim=None):
+        return self.changes.get(self._key(change, value, dim))
+
+    def sees(self, change: Tuple[str, str], value: fx.Node, consumer: fx.Node) -> bool:
+        """Whether ``consumer`` reads ``value`` through ``change`` (a slice: along any dim)."""
+        if change == SLICE:
+            return any(e.value is value and consumer in e.consumers for k, e in self.changes.items()
+                       if k[0] == SLICE)
+        e = self._edge(change, value)
+        return e is not None and consumer in e.consumers
+
+    def dim_of(self, change: Tuple[str, str], value: fx.Node) -> Optional[int]:
+        e = self._edge(change, value)
+        return None if e is None else e.dim
+
+    def move(self, old: Tuple[str, str], new: Tuple[str, str], value: fx.Node, consumer: fx.Node) -> None:
+        """``consumer`` reads ``value`` through ``new`` instead of ``old`` (same dim); the old
+        edge stays, possibly without consumers (its rewrite skips it)."""
+        e = self._edge(old, value)
+        e.consumers.discard(consumer)
+        self.add(new, value, consumer, e.dim)
+
     def edges(self) -> Iterator[Edge]:
-        """Every planned change of placement, kind by kind in ``EDGE_KINDS`` order."""
-        for kind, forward, backward in EDGE_KINDS:
-            for key, v in getattr(self, kind).items():
-                if kind == "slice_edges":
-                    (src, dim), users = key, v
-                elif kind in ("g_edges", "f_edges"):
-                    src, dim, users = key, None, v
-                else:
-                    src, (dim, users) = key, v
-                yield Edge("tp", src, users, forward, backward, dim)
+        """Every planned change of placement, change by change in ``CHANGES`` order."""
+        order = {c: i for i, c in enumerate(CHANGES)}
+        yield from sorted(self.changes.values(), key=lambda e: order[(e.forward, e.backward)])

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import packet, val, where
-from fxmegatron.passes.tensor_parallel.plan import Restart, TPPlan
+from fxmegatron.passes.tensor_parallel.plan import G, GATHER, GATHER_INTO_COLUMN, Restart, TPPlan
 from fxmegatron.passes.tensor_parallel.rules import rule_for
 from fxmegatron.passes.tensor_parallel.sequence import SEQ, forced_gathers, gather, gather_instead_of_demote, \
     seq_edge_dim
@@ -114,8 +114,7 @@ class State:
         """Placement of ``n`` as the node being visited sees it (after g / scatter / gather)."""
         c = self.cur
         if c is not None and isinstance(n, fx.Node):
-            if (c in self.plan.g_edges.get(n, ()) or c in self.plan.gather_edges.get(n, (0, ()))[1]
-                    or c in self.plan.gather_full_edges.get(n, (0, ()))[1]):
+            if any(self.plan.sees(change, n, c) for change in (G, GATHER_INTO_COLUMN, GATHER)):
                 return R
             d = seq_edge_dim(self, n, c)
             if d is not None:
@@ -214,7 +213,7 @@ class State:
         """``consumer`` needs ``a`` whole: reduce a partial sum (g) or fail on a shard."""
         p = self.get(a)
         if isinstance(p, Partial):
-            self.plan.g_edges.setdefault(a, set()).add(consumer)
+            self.plan.add(G, a, consumer)
             if a in self.pending_bias:
                 self.plan.bias_after[a] = self.pending_bias[a]
         elif isinstance(p, Shard) and SEQ in self.orig(a):

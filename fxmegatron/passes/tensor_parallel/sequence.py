@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import norm, val
-from fxmegatron.passes.tensor_parallel.plan import Restart
+from fxmegatron.passes.tensor_parallel.plan import GATHER, GATHER_INTO_COLUMN, SCATTER, SPLIT, Restart
 
 if TYPE_CHECKING:
     from fxmegatron.passes.tensor_parallel.propagate import State
@@ -28,8 +28,7 @@ def gather(state: "State", a: fx.Node, consumer: fx.Node, into_column: bool = Fa
     gathered value starts an ordinary replicated region whose gradient is whole, so the
     backward only keeps this rank's slice."""
     dim = norm(state.base(a).dim, val(a).ndim)
-    edges = state.plan.gather_edges if into_column else state.plan.gather_full_edges
-    edges.setdefault(a, (dim, set()))[1].add(consumer)
+    state.plan.add(GATHER_INTO_COLUMN if into_column else GATHER, a, consumer, dim)
 
 
 def reduce_partial(state: "State", a: fx.Node, consumer: fx.Node) -> None:
@@ -37,7 +36,7 @@ def reduce_partial(state: "State", a: fx.Node, consumer: fx.Node) -> None:
     reduce-scatter along the sequence under sequence parallelism, else all-reduce (g)."""
     v = val(a)
     if state.sp and v.ndim >= 3 and v.shape[-2] % state.tp == 0:
-        state.plan.scatter_edges.setdefault(a, (v.ndim - 2, set()))[1].add(consumer)
+        state.plan.add(SCATTER, a, consumer, v.ndim - 2)
         if a in state.pending_bias:
             state.plan.bias_after[a] = state.pending_bias[a]
     else:
@@ -67,7 +66,7 @@ def forced_gathers(state: "State", node: fx.Node) -> None:
 def seq_edge_dim(state: "State", a: fx.Node, consumer: fx.Node):
     """The dim of a sequence shard that ``consumer`` sees where ``a`` enters it through a
     reduce-scatter or a split; None when it enters otherwise."""
-    for edges in (state.plan.scatter_edges, state.plan.split_edges):
-        if consumer in edges.get(a, (0, ()))[1]:
-            return edges[a][0]
+    for change in (SCATTER, SPLIT):
+        if state.plan.sees(change, a, consumer):
+            return state.plan.dim_of(change, a)
     return None

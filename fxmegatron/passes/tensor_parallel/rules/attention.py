@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val
+from fxmegatron.passes.tensor_parallel.plan import F, SLICE
 from fxmegatron.passes.tensor_parallel.rules.registry import register
 from fxmegatron.placement import Partial, R, Replicate, Shard
 
@@ -92,7 +93,7 @@ def sdpa(state, node):
         # whole as computed (not reduced or gathered for this attention): f may go before its repeat
         upstream = _f_edge(a) if grad and isinstance(state.base(a), Replicate) else None
         if upstream is not None:
-            state.plan.f_edges.setdefault(upstream[0], set()).add(upstream[1])
+            state.plan.add(F, upstream[0], upstream[1])
         state.plan.head_slices[(node, i)] = (1, spans, grad and upstream is None)
     if isinstance(mask, fx.Node):
         mp = state.get(mask)
@@ -105,7 +106,7 @@ def sdpa(state, node):
             if mask in state.needs_grad:
                 state.demote(origins, node, "has a per-head mask that needs gradients")
             state.replicate(mask, node)
-            state.plan.slice_edges.setdefault((mask, md), set()).add(node)
+            state.plan.add(SLICE, mask, node, md)
         else:
             state.replicate(mask, node)
     state.set(node, Shard(1), origins)

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val, where
-from fxmegatron.passes.tensor_parallel.plan import Decision
+from fxmegatron.passes.tensor_parallel.plan import F, GATHER, GATHER_INTO_COLUMN, Decision
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
 from fxmegatron.passes.tensor_parallel.rules.registry import register
 from fxmegatron.passes.tensor_parallel.sequence import SEQ, gather
@@ -61,7 +61,7 @@ def linear(state, node, x, w, b, w_out, w_in, x_in, out_dim):
     if isinstance(state.get(x), Shard) and SEQ in state.orig(x):
         gather(state, x, node, into_column=True)
     px = state.get(x)
-    gathered_here = node in state.plan.gather_edges.get(x, (0, ()))[1]
+    gathered_here = state.plan.sees(GATHER_INTO_COLUMN, x, node)
     pname = state.free[w][0]
     at = f"{where(node)} (weight {pname})"
     if isinstance(px, Shard) and norm(px.dim, val(x).ndim) == x_in:
@@ -91,12 +91,11 @@ def linear(state, node, x, w, b, w_out, w_in, x_in, out_dim):
         if b is not None:
             state.claim(b, Shard(0, blocks), at)
         if x in state.needs_grad and not gathered_here:
-            state.plan.f_edges.setdefault(x, set()).add(node)
+            state.plan.add(F, x, node)
         state.plan.decisions[node] = Decision("column")
         return state.set(node, Shard(out_dim, blocks), {node}, rule="matmul.column")
     if gathered_here:   # not column after all: its input gradient is whole
-        state.plan.gather_edges[x][1].discard(node)
-        state.plan.gather_full_edges.setdefault(x, (state.plan.gather_edges[x][0], set()))[1].add(node)
+        state.plan.move(GATHER_INTO_COLUMN, GATHER, x, node)
     state.claim(w, R, at)
     if b is not None:
         state.claim(b, R, at)

@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import norm, val, where
+from fxmegatron.passes.tensor_parallel.plan import F
 from fxmegatron.passes.tensor_parallel.rules.registry import register
 from fxmegatron.passes.tensor_parallel.sequence import reduce_partial
 from fxmegatron.placement import Partial, R, Shard
@@ -32,7 +33,7 @@ def layer_norm(state, node):
             else:
                 state.replicate(a, node)
             if isinstance(p, Shard) and (a in state.free or a in state.needs_grad):
-                state.plan.f_edges.setdefault(a, set()).add(node)   # grads are partial sums
+                state.plan.add(F, a, node)   # grads are partial sums
     if isinstance(p, Shard):
         if norm(p.dim, nd) >= nd - len(shape):
             state.demote(state.orig(x), node, "normalises over the split dim")

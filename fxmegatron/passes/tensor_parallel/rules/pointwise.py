@@ -5,6 +5,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import is_tensor_node, packet, val, where
+from fxmegatron.passes.tensor_parallel.plan import F, SLICE, SPLIT
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
 from fxmegatron.passes.tensor_parallel.rules.registry import register
 from fxmegatron.passes.tensor_parallel.sequence import SEQ, reduce_partial
@@ -68,17 +69,17 @@ def pointwise(state, node):
             if a in state.free:
                 state.claim(a, R, where(node))
             if a in state.free or a in state.needs_grad:
-                state.plan.f_edges.setdefault(a, set()).add(node)
+                state.plan.add(F, a, node)
             continue
         if a in state.free and not seq:
             if not state.claim(a, Shard(ad, blocks), where(node)):
                 state.demote(origins, node, f"uses parameter {state.free[a][0]} that must stay replicated")
         elif a not in state.needs_grad and a not in state.free and blocks is None:
-            state.plan.slice_edges.setdefault((a, ad), set()).add(node)
+            state.plan.add(SLICE, a, node, ad)
         elif seq:
             if a in state.free:
                 state.claim(a, R, where(node))
-            state.plan.split_edges.setdefault(a, (ad, set()))[1].add(node)
+            state.plan.add(SPLIT, a, node, ad)
         else:
             state.demote(origins, node, f"combines it with the replicated activation {a.name}")
     state.set(node, Shard(d, blocks), origins)
