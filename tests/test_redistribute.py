@@ -73,6 +73,50 @@ def test_a_new_axis_is_rows():
         TABLE.pop(("ep", "S->S", "S->S"), None)
 
 
+def test_one_rewrite_inserts_every_axis_rows_where_the_row_says():
+    """``insert_edges`` on a toy graph with a new axis's rows: a cut before its first consumer, a
+    sum after its value, and an R->R change of a value summed before starting from the sum."""
+    import torch.fx as fx
+
+    from fxmegatron.passes.redistribute import Edge, insert_edges
+
+    def cut(x, dim, rank):      # stand-ins: not real ops
+        return x
+
+    def total(x, group):
+        return x
+
+    def mark(x, group):
+        return x
+    rows = [row("zz", "R->S", "S->P", cut, lambda x, s: (x, s.dim, s.rank), before_consumer=True),
+            row("zz", "P->R", "R->R", total, lambda x, s: (x, s.group)),
+            row("zz", "R->R", "P->R", mark, lambda x, s: (x, s.group))]
+    try:
+        g = fx.Graph()
+        a, b = g.placeholder("a"), g.placeholder("b")
+        partial = g.call_function(torch.neg, (b,))
+        first = g.call_function(torch.add, (partial, a))
+        second = g.call_function(torch.mul, (partial, a))
+        g.output((first, second))
+        seen = []
+
+        def finish(e, src, anchor, new):
+            seen.append((e.forward, src.name, anchor.name))
+            return new
+        insert_edges(g, [Edge("zz", a, [second], "R->S", "S->P", 1), Edge("zz", partial, [first, second], "P->R", "R->R"),
+                         Edge("zz", partial, [second], "R->R", "P->R")], lambda e: Site(3, 4, "grp", e.dim), finish)
+        order = [n.name for n in g.nodes]
+        assert seen == [("R->S", "a", "mul"), ("P->R", "neg", "neg"), ("R->R", "total", "total")]
+        assert order.index("cut") == order.index("mul") - 1                 # right before its consumer
+        assert order.index("total") == order.index("neg") + 1               # right after its value
+        assert second.args == (g.find_nodes(op="call_function", target=mark)[0], g.find_nodes(op="call_function", target=cut)[0])
+        assert first.args[0].target is total and second.args[0].args[0].target is total   # the f reads the sum
+        assert g.find_nodes(op="call_function", target=cut)[0].args == (a, 1, 3)
+    finally:
+        for r in rows:
+            TABLE.pop((r.axis, r.forward, r.backward), None)
+
+
 def test_kind_is_the_placement_letter():
     assert [kind(p) for p in (R, Replicate(seq=(1, 1)), Shard(0), Shard(1, seq_inner=1), P, Partial("max"))] == \
         ["R", "R", "S", "S", "P", "P"]

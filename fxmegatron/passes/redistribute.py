@@ -19,7 +19,7 @@ docs/ENGINE.md: where this stands in the one placement engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Collection, Dict, Iterable, NamedTuple, Optional, Tuple
 
 from fxmegatron.ops.collectives import (all_gather_seq, copy_to_tp, gather_seq, local_shard, reduce_from_tp,
                                         scatter_seq, split_seq)
@@ -52,6 +52,9 @@ class Redistribution:
     op: Callable                                    # the graph function inserted
     args: Callable[[object, Site], tuple]           # (value node, site) -> the call's arguments
     note: str = ""
+    # where the op goes: after the value (a collective, or a cut every consumer shares), or
+    # before its first consumer (a cut of a graph input that the consumers' order places)
+    before_consumer: bool = False
 
     @property
     def communicates(self) -> bool:
@@ -78,12 +81,12 @@ TABLE: Dict[Tuple[str, str, str], Redistribution] = {}
 
 
 def row(axis: str, forward: str, backward: str, op: Callable, args: Callable[[object, Site], tuple],
-        note: str = "") -> Redistribution:
+        note: str = "", before_consumer: bool = False) -> Redistribution:
     """State one row (once per (axis, forward, backward))."""
     key = (axis, forward, backward)
     if key in TABLE:
         raise ValueError(f"{key}: stated already, by {TABLE[key].op.__name__}")
-    TABLE[key] = r = Redistribution(axis, forward, backward, op, args, note)
+    TABLE[key] = r = Redistribution(axis, forward, backward, op, args, note, before_consumer)
     return r
 
 
@@ -94,6 +97,30 @@ def find(axis: str, forward: str, backward: str) -> Redistribution:
         raise KeyError(f"no redistribution on {axis} for {forward} (gradient {backward}); the table has "
                        f"{sorted(k for k in TABLE if k[0] == axis)}")
     return r
+
+
+def insert_edges(graph, edges: Iterable[Edge], site: Callable[[Edge], Site],
+                 finish: Callable[[Edge, object, object, object], object]) -> None:
+    """The one rewrite of every axis: for each edge, in order, the table's op for its change at
+    the row's place (after the value, or before its first consumer), and its consumers rewired
+    to it. ``site(edge)`` says where it runs; ``finish(edge, src, anchor, new)`` is the axis's
+    (its metadata, its placement; tp adds a deferred bias there) and returns the node the
+    consumers read. An R->R change of a value made whole earlier (tp's f after its g) starts
+    from the whole node; an edge without consumers (tp's matmul rule moved them) is skipped."""
+    whole = {}
+    for e in edges:
+        if not e.consumers:
+            continue
+        red = find(e.axis, e.forward, e.backward)
+        src = whole.get(e.value, e.value) if e.forward == "R->R" else e.value
+        anchor = next(iter(e.consumers)) if red.before_consumer else src
+        with graph.inserting_before(anchor) if red.before_consumer else graph.inserting_after(anchor):
+            new = graph.call_function(red.op, red.args(src, site(e)))
+        new = finish(e, src, anchor, new)
+        if e.forward == "P->R":
+            whole[src] = new
+        for consumer in e.consumers:
+            consumer.replace_input_with(src, new)
 
 
 def kind(plc) -> str:
@@ -125,6 +152,6 @@ row("tp", "R->S", "S->P", local_shard, lambda x, s: (x, s.dim, s.rank, s.world),
 
 # ---- context parallelism ------------------------------------------------------------------
 row("cp", "R->S", "S->P", cp_take, lambda x, s: (x, s.dim, s.inner, s.seq, s.world, s.rank),
-    "this rank's load-balanced chunks of a whole value, no communication")
+    "this rank's load-balanced chunks of a whole value, no communication", before_consumer=True)
 row("cp", "P->R", "R->R", cp_sum, lambda x, s: (x, s.group),
     "partial sums over the cp ranks made whole")

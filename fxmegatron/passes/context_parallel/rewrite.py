@@ -11,7 +11,7 @@ import torch.fx as fx
 from fxmegatron.ops.context_parallel import cp_attention, cp_count
 from fxmegatron.passes.context_parallel.layout import to_placement
 from fxmegatron.passes.context_parallel.propagate import CPPlan
-from fxmegatron.passes.redistribute import Site, find
+from fxmegatron.passes.redistribute import Site, insert_edges
 from fxmegatron.passes.tensor_parallel.nodes import arg
 from fxmegatron.placement import place
 
@@ -29,15 +29,12 @@ def _call(gm, fn, args, like: fx.Node, after: fx.Node = None, before: fx.Node = 
 
 def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, group_name: str, variant: str):
     cp, seq = plan.cp, plan.seq
-    for e in plan.edges():      # takes (cp_take), then sums (cp_sum)
-        red = find("cp", e.forward, e.backward)
-        args = red.args(e.value, Site(rank, cp, group_name, e.dim, e.inner, seq))
-        if e.forward == "R->S":     # before the first consumer (the value may be a graph input)
-            new = _call(gm, red.op, args, e.consumers[0], before=e.consumers[0])
-        else:
-            new = _call(gm, red.op, args, e.value, after=e.value)
-        for consumer in e.consumers:
-            consumer.replace_input_with(e.value, new)
+    def finish(e, src, anchor, new):
+        new.meta.update({k: anchor.meta[k] for k in _KEEP_META if k in anchor.meta})
+        return new
+
+    # takes (cp_take, before the first consumer: the value may be a graph input), then sums
+    insert_edges(gm.graph, plan.edges(), lambda e: Site(rank, cp, group_name, e.dim, e.inner, seq), finish)
     for node, (i, d) in plan.sizes.items():
         sizes = list(node.args[i])
         if sizes[d] != -1:

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
-from fxmegatron.passes.redistribute import Site, find
+from fxmegatron.passes.redistribute import Site, find, insert_edges
 from fxmegatron.passes.tensor_parallel.nodes import arg, packet
 from fxmegatron.passes.tensor_parallel.plan import TPPlan
 from fxmegatron.placement import PLACEMENTS, R, Shard, place, placed
@@ -94,15 +94,14 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
         """A node after ``src`` computing (a placement of) the same value."""
         with g.inserting_after(src):
             n = g.call_function(fn, args)
+        return decorate(src, n, plc, rule)
+
+    def decorate(src, n, plc, rule="collective"):
         n.meta["nn_module_stack"] = src.meta.get("nn_module_stack")
         n.meta["tp_rule"] = rule
         if "val" in src.meta:   # values stay whole-tensor metadata, as everywhere before the local shapes
             n.meta["val"] = src.meta["val"]
         return mark(n, plc)
-
-    def rewire(src, new, users):
-        for u in users:
-            u.replace_input_with(src, new)
 
     def with_bias(src, red, f_bias):
         """A deferred row-parallel bias, added after the reduction."""
@@ -119,17 +118,13 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
             out.meta["val"] = red.meta["val"]
         return mark(out, placed(red, "tp"))
 
-    reduced = {}        # a partial sum -> its g: an f of the same value follows the g
-    for e in plan.edges():
-        if not e.consumers:     # a gather the matmul rule moved to a whole gather (rules/matmul.py)
-            continue
-        src = reduced.get(e.value, e.value) if e.forward == "R->R" else e.value
-        new = redistribute(src, e.forward, e.backward, R if e.forward.endswith("R") else Shard(e.dim), e.dim)
+    def finish(e, src, anchor, new):
+        decorate(src, new, R if e.forward.endswith("R") else Shard(e.dim))
         if e.forward.startswith("P->"):     # a row-parallel bias is added after the reduction
             new = with_bias(src, new, e.forward == "P->S")
-            if e.forward == "P->R":
-                reduced[src] = new
-        rewire(src, new, e.consumers)
+        return new
+
+    insert_edges(g, plan.edges(), lambda e: Site(rank, tp, group_name, e.dim), finish)
     for (node, i), (dim, spans, f_here) in plan.head_slices.items():
         # the kv heads this rank's query heads use, out of a key/value every rank holds whole
         # (last: the input may have been reduced or gathered for this attention above)
