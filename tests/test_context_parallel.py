@@ -43,7 +43,7 @@ def test_cp2_three_families(variant):
     dump = per_rank[0]["gpt"]
     assert "cp_attention" in dump["collectives"] and "cp_sum" in dump["collectives"]
     assert ("recv kv" in dump["collectives"]) == (variant == "ring"), dump["collectives"]
-    assert "merge" in dump["collectives"] and "Seq(1)" in dump["placements"]
+    assert "merge" in dump["collectives"] and "S(1, seq)" in dump["placements"]
 
 
 def test_cp4_ring_and_allgather():
@@ -159,4 +159,4 @@ def test_the_rank_graph_takes_labels_and_positions_and_sums_the_loss():
     loss = next(n for n in calls if n.target is torch.ops.aten.cross_entropy_loss.default)
     assert loss.args[3] == 2                      # a sum over this rank's tokens
     plan = gm.meta["fxmegatron/cp_plan"]
-    assert str(plan.plc[next(n for n in calls if n.target is torch.ops.aten.layer_norm.default)]) == "Seq(1)"
+    assert str(plan.plc[next(n for n in calls if n.target is torch.ops.aten.layer_norm.default)]) == "S(1, seq)"

@@ -1,10 +1,10 @@
 """The per-axis placement value (``fxmegatron.placement``): one vocabulary for every mesh axis.
 
-Tensor parallelism's placements are already Replicate / Shard / Partial; context parallelism's
-(``Seq`` / ``WHOLE`` / ``PARTIAL``) map onto the same three (``context_parallel.layout.
-to_placement``) and back, a bijection: checked on every placement of every kind, and on every
-placement the cp planner gives the nodes of three families. ``Placements`` is a layout over
-the mesh: a placement per axis.
+Tensor and context parallelism place values in the same three, Replicate / Shard / Partial
+(a sequence shard of context parallelism is ``Shard(d, seq_inner=i)``, a whole value whose
+sequence is known ``Replicate(seq=(d, i))``: ``context_parallel.layout``), checked on every
+placement the cp and tp planners give the nodes of three families. ``Placements`` is a layout
+over the mesh: a placement per axis.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from fxmegatron.capture import capture
 from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import plan_context_parallel
-from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq, from_placement, to_placement
+from fxmegatron.passes.context_parallel.layout import is_split, seq, seq_at, seq_of, seq_through_view
 from fxmegatron.passes.tensor_parallel import plan_tensor_parallel
 from fxmegatron.placement import (P, Partial, Placements, R, Replicate, Shard, join_layout, join_shards, layout_from_json,
                                   layout_to_json, take_layout, take_shard)
@@ -50,36 +50,30 @@ def test_a_sequence_shard_is_not_cut_as_a_contiguous_slice():
         join_shards([torch.zeros(2, 4)] * 2, s)
 
 
-# ---- context parallelism's vocabulary: a bijection -------------------------------------------
-CP_PLACEMENTS = [WHOLE, PARTIAL] + [Seq(d, i, sp) for d, i, sp in itertools.product(range(4), (1, 3, 16),
-                                                                                      (True, False))]
+# ---- context parallelism's sequence placements ----------------------------------------------
+@pytest.mark.parametrize("d,i,split", list(itertools.product(range(4), (1, 3, 16), (True, False))))
+def test_a_sequence_placement_says_where_the_sequence_is(d, i, split):
+    p = seq(d, i, split)
+    assert p == (Shard(d, seq_inner=i) if split else Replicate(seq=(d, i)))
+    assert seq_of(p) == (d, i) and is_split(p) == split
+    assert seq_at(p, d + 2) == seq(d + 2, i, split)
+    assert p != R       # a known sequence is part of the value
 
 
-@pytest.mark.parametrize("p", CP_PLACEMENTS, ids=str)
-def test_every_cp_placement_goes_and_comes_back(p):
-    q = to_placement(p)
-    assert from_placement(q) == p or from_placement(q) is p
-    assert isinstance(q, (Replicate, Shard, Partial))
+@pytest.mark.parametrize("p", [R, P, Shard(0), Shard(1, (2, 2)), (Shard(1, seq_inner=1), R)], ids=str)
+def test_what_holds_no_sequence(p):
+    assert seq_of(p) is None and not is_split(p)
 
 
-def test_the_cp_map_is_one_to_one_and_says_what_it_means():
-    images = [to_placement(p) for p in CP_PLACEMENTS]
-    assert len(set(images)) == len(images)
-    assert to_placement(Seq(1)) == Shard(1, seq_inner=1)
-    assert to_placement(Seq(0, 16)) == Shard(0, seq_inner=16)
-    assert to_placement(Seq(2, 1, False)) == Replicate(seq=(2, 1))
-    assert to_placement(WHOLE) == R and to_placement(PARTIAL) == P
-    assert to_placement((Seq(1), WHOLE)) == (Shard(1, seq_inner=1), R)
-
-
-@pytest.mark.parametrize("p", [Shard(0), Shard(1, (2, 2)), Partial("max"), Shard(1, (2, 2), seq_inner=1)], ids=str)
-def test_what_cp_never_makes_is_refused(p):
-    with pytest.raises(ValueError, match="context parallelism has no placement"):
-        from_placement(p)
+def test_a_view_moves_the_sequence_or_cuts_it():
+    # [B=2, S=8, H=4] -> [B·S, H]: the sequence is dim 0, inner 1; -> [B, S·H]: dim 1, inner 4
+    assert seq_through_view((2, 8, 4), seq(1), (16, 4), 8) == seq(0, 1)
+    assert seq_through_view((2, 8, 4), seq(1, split=False), (2, 32), 8) == seq(1, 4, split=False)
+    assert seq_through_view((2, 8, 4), seq(1), (2, 2, 4, 4), 8) is None      # S cut into 2 x 4
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
-def test_every_planned_placement_round_trips(name):
+def test_every_planned_placement_is_of_the_one_vocabulary(name):
     fam = FAMILIES[name]
     cap = capture(fam.build(1), make_batch(fam, 0))
     gm = copy.deepcopy(cap.gm)
@@ -87,10 +81,11 @@ def test_every_planned_placement_round_trips(name):
     cp_plan = plan_context_parallel(gm, 2, cap.params.keys())
     kinds = set()
     for p in cp_plan.plc.values():
-        q = to_placement(p)
-        assert from_placement(q) == p, (p, q)
-        kinds.update(type(x).__name__ for x in (q if isinstance(q, tuple) else (q,)))
-    assert {"Shard", "Replicate"} <= kinds
+        for q in (p if isinstance(p, tuple) else (p,)):
+            assert isinstance(q, (Replicate, Shard, Partial)), q
+            assert not isinstance(q, Shard) or (q.seq_inner is not None and q.blocks is None), q
+            kinds.add(type(q).__name__ + ("(seq)" if seq_of(q) else ""))
+    assert {"Shard(seq)", "Replicate(seq)", "Replicate"} <= kinds, kinds
     tp_plan = plan_tensor_parallel(copy.deepcopy(cap.gm), 2, cap.params.keys(), True)
     for p in tp_plan.node_plc.values():     # tp's placements are the per-axis vocabulary as they are
         assert Placements.of(tp=p).on("tp") == (p if p is not None else R)
@@ -178,4 +173,4 @@ def test_nodes_carry_one_placement_per_axis_under_cp_and_tp():
     two_axes = [lay for lay in layouts if lay is not None and {"tp", "cp"} <= set(lay.sharded())]
     assert two_axes, [str(lay) for lay in layouts][:10]      # sequence shards on cp and sp shards on tp
     assert str(two_axes[0]).startswith("cp:S(1, seq) tp:S(")
-    assert "Seq(1)" in placement_table(prog.graph_module)
+    assert "S(1, seq)" in placement_table(prog.graph_module)

@@ -6,7 +6,7 @@ import torch
 import fxmegatron
 from fxmegatron.errors import VerificationError
 from fxmegatron.ops.context_parallel import cp_take
-from fxmegatron.passes.context_parallel.layout import Seq
+from fxmegatron.passes.context_parallel.layout import seq as seq_placement
 from fxmegatron.passes.context_parallel.registry import RULES
 from fxmegatron.verify.context import join_sequence
 from tests import models
@@ -56,7 +56,7 @@ def test_join_sequence_undoes_cp_take(dim, inner):
     x = torch.randn(shape)
     parts = [cp_take(x, dim, inner, seq, cp, r) for r in range(cp)]
     assert not torch.equal(parts[0], parts[1])
-    torch.testing.assert_close(join_sequence(parts, Seq(dim, inner), seq), x, rtol=0, atol=0)
+    torch.testing.assert_close(join_sequence(parts, seq_placement(dim, inner), seq), x, rtol=0, atol=0)
 
 
 def _attention_without_exchange(real_rule):
@@ -79,7 +79,7 @@ def test_a_planted_wrong_attention_rule_is_named(monkeypatch, tp):
     msg = str(err.value)
     assert ("first divergent node scaled_dot_product_attention (scaled_dot_product_attention.default) in "
             "model.layers.0.self_attn") in msg, msg
-    assert "cp Seq(2) by cp rule 'attention'" in msg and "differs from the original by" in msg, msg
+    assert "cp S(2, seq) by cp rule 'attention'" in msg and "differs from the original by" in msg, msg
 
 
 def _local_mean_as_partial(real_rule):
@@ -99,4 +99,4 @@ def test_a_planted_wrong_loss_placement_is_named(monkeypatch):
         fxmegatron.verify(model, batch, cp=2, tp=2)
     msg = str(err.value)
     assert "first divergent node cross_entropy_loss (" in msg, msg
-    assert "cp partial(sum over cp) by cp rule 'loss.partial'" in msg and "differs from the original by" in msg, msg
+    assert "cp P(sum) by cp rule 'loss.partial'" in msg and "differs from the original by" in msg, msg

@@ -38,15 +38,6 @@ def _plc(p):
     return "" if p is None else str(p)
 
 
-def _cp(p) -> str:
-    """A cp placement in context parallelism's own words (Seq(d), Feq(d), whole, partial)."""
-    if p is None:
-        return ""
-    from fxmegatron.passes.context_parallel.layout import from_placement
-    q = from_placement(p)
-    return ", ".join(map(str, q)) if isinstance(q, tuple) else str(q)
-
-
 def _target(n):
     t = n.target
     return getattr(t, "__name__", str(t)) if callable(t) else str(t)
@@ -64,7 +55,7 @@ def placement_table(gm: fx.GraphModule) -> str:
         if n.meta.get("fp8"):
             note = (note + " " if note else "") + f"[{n.meta['fp8']}]"
         rows.append((n.name, _target(n) if n.op != "placeholder" else "input", _plc(placed(n, "tp")),
-                     n.meta.get("tp_rule", ""), _cp(placed(n, "cp")), _shape(n.meta.get("val")),
+                     n.meta.get("tp_rule", ""), _plc(placed(n, "cp")), _shape(n.meta.get("val")),
                      module_path(n), note))
     k = len(rows[0]) - 1
     widths = [max(len(r[i]) for r in rows) for i in range(k)]
@@ -94,8 +85,8 @@ def write_dump(directory: str, gm: fx.GraphModule, info: Dict[str, str]) -> None
         f.write("# R = replicated, S(d) = split along dim d, P(sum) = partial sums (reduced by g);\n"
                 "# rule: the tensor-parallel placement rule that placed the node (fxmegatron/passes/\n"
                 "# tensor_parallel/rules/<file>.<rule>; opaque: replicated, with why);\n"
-                "# cp: context parallelism's placement (Seq(d): this rank's chunks of the sequence in dim d,\n"
-                "# Feq(d): whole, sequence in dim d, whole, or a partial sum over cp)\n")
+                "# cp: context parallelism's placement (S(d, seq): this rank's chunks of the sequence in dim d,\n"
+                "# R(seq@d): whole, its sequence in dim d; R: whole; P(sum): a partial sum over cp)\n")
         f.write(placement_table(gm))
     with open(os.path.join(directory, "collectives.txt"), "w") as f:
         for n, kind in collective_nodes(gm):

@@ -5,9 +5,11 @@ Each cp rank runs the whole model on its part of the sequence (chunks r and 2·c
 (``compare.reassemble``), then over the cp ranks by the node's context-parallel placement
 (``CPPlan.plc``), is the original graph's value at that node:
 
-* ``Seq(d)`` split: the ranks' chunks, put back in sequence order along d;
-* ``PARTIAL``: a summand per rank (a sum over the sequence): their sum;
-* whole (``WHOLE``, or a sequence known but not split): every rank holds it (they must agree).
+* a sequence shard ``Shard(d, seq_inner=i)``: the ranks' chunks, put back in sequence order
+  along d;
+* ``P``: a summand per rank (a sum over the sequence): their sum;
+* whole (``R``, or ``Replicate(seq=...)``: a sequence known but not split): every rank holds
+  it (they must agree).
 
 Two kinds of node hold no share of the original's value and are not compared: a mean loss
 the rewrite turned into this rank's sum (its divisor, the count over every rank, comes in a
@@ -22,7 +24,8 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 import torch.fx as fx
 
-from fxmegatron.passes.context_parallel.layout import PARTIAL, Seq
+from fxmegatron.passes.context_parallel.layout import is_split, seq_of
+from fxmegatron.placement import P, Placement
 from fxmegatron.verify.compare import reassemble, rel_err
 
 CP_PLAN = "fxmegatron/cp_plan"      # where apply_context_parallel leaves its plan, in GraphModule.meta
@@ -77,9 +80,9 @@ def join_cp(values: List, plc, seq: int):
         return tuple(join_cp([v[i] for v in values], p, seq) for i, p in enumerate(plc))
     if not isinstance(values[0], torch.Tensor):
         return values[0]
-    if isinstance(plc, Seq) and plc.split:
+    if is_split(plc):
         return join_sequence(values, plc, seq)
-    if plc is PARTIAL:
+    if plc == P:
         return sum(values[1:], values[0])
     for c, v in enumerate(values[1:], 1):
         if rel_err(v, values[0]) > 1e-6:
@@ -88,16 +91,16 @@ def join_cp(values: List, plc, seq: int):
     return values[0]
 
 
-def join_sequence(values: Sequence[torch.Tensor], s: Seq, seq: int) -> torch.Tensor:
-    """The inverse of ``cp_take``: rank r's dim ``s.dim`` is [outer, chunk r and chunk 2·cp−1−r,
-    inner]; the whole is [outer, chunks 0 .. 2·cp−1, inner]."""
+def join_sequence(values: Sequence[torch.Tensor], s: Placement, seq: int) -> torch.Tensor:
+    """The inverse of ``cp_take``: rank r's sequence dim d of ``s`` is [outer, chunk r and chunk
+    2·cp−1−r, inner]; the whole is [outer, chunks 0 .. 2·cp−1, inner]."""
     cp = len(values)
-    c, d = seq // (2 * cp), s.dim
+    (d, inner), c = seq_of(s), seq // (2 * cp)
     shape = list(values[0].shape)
-    outer = shape[d] // (2 * c * s.inner)
+    outer = shape[d] // (2 * c * inner)
     chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp)
     for r, v in enumerate(values):
-        y = v.reshape(shape[:d] + [outer, 2, c, s.inner] + shape[d + 1:])
+        y = v.reshape(shape[:d] + [outer, 2, c, inner] + shape[d + 1:])
         chunks[r], chunks[2 * cp - 1 - r] = y.select(d + 1, 0), y.select(d + 1, 1)
     whole = torch.stack(chunks, d + 1)
     return whole.reshape(shape[:d] + [shape[d] * cp] + shape[d + 1:])

@@ -2,8 +2,9 @@
 
 Rank r of ``cp`` holds chunks r and 2·cp−1−r of the sequence cut in 2·cp (each rank
 then has as much causal attention work as any other). ``plan_context_parallel``
-(propagate.py, rules.py) gives every node a placement: this rank's chunks (``Seq``,
-split), whole with its sequence known, whole, or a partial sum over cp. The rewrite
+(propagate.py, rules.py) gives every node a placement on the cp axis (``layout``): this
+rank's chunks (``Shard(d, seq_inner=i)``), whole with its sequence known
+(``Replicate(seq=(d, i))``), whole (``R``), or a partial sum over cp (``P``). The rewrite
 (rewrite.py) then takes whole values apart where they meet chunks (``cp_take``), turns
 attention into ``cp_attention`` (keys and values from every rank, by a ring of P2P or
 an all-gather), a mean loss into this rank's sum over the count of every rank, makes

@@ -21,10 +21,11 @@ import torch.fx as fx
 
 from fxmegatron.errors import ShardingError
 from fxmegatron.passes.context_parallel import rules, rules_compute
-from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq
+from fxmegatron.passes.context_parallel.layout import is_split, seq, seq_of
 from fxmegatron.passes.context_parallel.registry import rule_for
 from fxmegatron.passes.redistribute import Edge
 from fxmegatron.passes.tensor_parallel.nodes import packet, val, where
+from fxmegatron.placement import P, Placement, R
 
 aten = torch.ops.aten
 RULE_MODULES = (rules, rules_compute)      # importing them fills the table
@@ -37,7 +38,7 @@ class CPPlan:
     seq: int
     plc: Dict[fx.Node, object] = field(default_factory=dict)
     rules: Dict[fx.Node, str] = field(default_factory=dict)
-    takes: Dict[Tuple[fx.Node, fx.Node], Seq] = field(default_factory=dict)   # (value, consumer) -> where
+    takes: Dict[Tuple[fx.Node, fx.Node], Placement] = field(default_factory=dict)   # (value, consumer) -> chunks
     sums: Set[Tuple[fx.Node, fx.Node]] = field(default_factory=set)        # partial value made whole for consumer
     sizes: Dict[fx.Node, Tuple[int, int]] = field(default_factory=dict)    # view/expand: (arg index, dim)
     attention: List[fx.Node] = field(default_factory=list)
@@ -49,7 +50,7 @@ class CPPlan:
         (a value's consumers by name), as changes of placement on the cp axis."""
         takes: Dict[tuple, List[fx.Node]] = {}
         for (a, consumer), s in self.takes.items():
-            takes.setdefault((a, s.dim, s.inner), []).append(consumer)
+            takes.setdefault((a, *seq_of(s)), []).append(consumer)
         for (a, dim, inner), users in takes.items():
             yield Edge("cp", a, users, "R->S", "S->P", dim, inner)
         sums: Dict[fx.Node, List[fx.Node]] = {}
@@ -73,7 +74,7 @@ class State:
                 self.needs_grad.add(n)
 
     def get(self, n):
-        return self.plan.plc.get(n, WHOLE) if isinstance(n, fx.Node) else WHOLE
+        return self.plan.plc.get(n, R) if isinstance(n, fx.Node) else R
 
     def set(self, node, plc, rule: str):
         self.plan.plc[node] = plc
@@ -83,31 +84,32 @@ class State:
         raise ShardingError(f"context parallelism cannot cut {where(node)}: it {why}")
 
     def split(self, n) -> bool:
-        p = self.get(n)
-        return isinstance(p, Seq) and p.split
+        return is_split(self.get(n))
 
-    def take(self, a: fx.Node, consumer: fx.Node, s: Seq):
-        """``consumer`` reads this rank's chunks of the whole value ``a`` (its sequence in ``s``)."""
-        self.plan.takes[(a, consumer)] = Seq(s.dim, s.inner, True)
+    def take(self, a: fx.Node, consumer: fx.Node, s: Placement):
+        """``consumer`` reads this rank's chunks of the whole value ``a`` (its sequence where ``s``
+        has it)."""
+        self.plan.takes[(a, consumer)] = seq(*seq_of(s))
 
-    def take_aligned(self, a: fx.Node, consumer: fx.Node, out: Seq, out_val: torch.Tensor):
+    def take_aligned(self, a: fx.Node, consumer: fx.Node, out: Placement, out_val: torch.Tensor):
         """Broadcasting alignment: a whole input ``a`` of an op whose output's sequence is
         ``out`` holds, at the aligned dim, size 1 (broadcast: nothing to take), the whole
         sequence's size (taken), or no such dim (nothing to take)."""
         v = val(a)
         if not isinstance(v, torch.Tensor):
             return
-        d = out.dim - (out_val.ndim - v.ndim)
+        out_dim, inner = seq_of(out)
+        d = out_dim - (out_val.ndim - v.ndim)
         if d < 0 or v.shape[d] == 1:
             return
-        if v.shape[d] != out_val.shape[out.dim]:
+        if v.shape[d] != out_val.shape[out_dim]:
             self.fail(consumer, f"reads {a.name} of shape {tuple(v.shape)} against a sequence of "
-                                f"{out_val.shape[out.dim]} at its dim {d}")
+                                f"{out_val.shape[out_dim]} at its dim {d}")
         p = self.get(a)
-        if isinstance(p, Seq) and (p.dim, p.inner) != (d, out.inner):
+        if seq_of(p) is not None and seq_of(p) != (d, inner):
             self.fail(consumer, f"combines tensors whose sequences lie differently ({p} at {a.name}, {out} at "
                                 "the output)")
-        self.take(a, consumer, Seq(d, out.inner))
+        self.take(a, consumer, seq(d, inner))
 
     def sum_for(self, a: fx.Node, consumer: fx.Node):
         """``consumer`` needs the partial value ``a`` whole: all-reduce over cp there."""
@@ -119,12 +121,12 @@ class State:
             if node.op == "placeholder":
                 v = val(node)
                 known = isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == self.plan.seq
-                self.set(node, Seq(1, 1, False) if known else WHOLE, "input")
+                self.set(node, seq(1, 1, split=False) if known else R, "input")
             elif node.op == "get_attr":
-                self.set(node, WHOLE, "parameter" if node in self.needs_grad else "constant")
+                self.set(node, R, "parameter" if node in self.needs_grad else "constant")
             elif node.op == "output":
                 for a in node.all_input_nodes:
-                    if self.get(a) is PARTIAL:
+                    if self.get(a) == P:
                         self.sum_for(a, node)
                     elif self.split(a):
                         self.fail(node, f"returns {a.name}, which holds this rank's chunks of the sequence "
@@ -132,17 +134,17 @@ class State:
             elif node.op == "call_function":
                 self.visit(node, rule_for(node))
             else:
-                if any(self.split(a) or self.get(a) is PARTIAL for a in node.all_input_nodes):
+                if any(self.split(a) or self.get(a) == P for a in node.all_input_nodes):
                     self.fail(node, f"is a {node.op} node")
-                self.set(node, WHOLE, "opaque")
+                self.set(node, R, "opaque")
         return self.plan
 
     def visit(self, node: fx.Node, rule):
         ins = node.all_input_nodes
         split = any(self.split(a) for a in ins)
-        partial = any(self.get(a) is PARTIAL for a in ins)
+        partial = any(self.get(a) == P for a in ins)
         if not split and not partial:
-            whole_seq = [a for a in ins if isinstance(self.get(a), Seq)]
+            whole_seq = [a for a in ins if seq_of(self.get(a)) is not None]
             if whole_seq and any(a in self.needs_grad for a in ins):
                 # compute starts here: the sequence inputs become this rank's chunks
                 for a in whole_seq:

@@ -7,8 +7,8 @@ from typing import Callable, Dict
 import torch
 import torch.fx as fx
 
-from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE
 from fxmegatron.passes.tensor_parallel.nodes import packet, val
+from fxmegatron.placement import P, R
 
 aten = torch.ops.aten
 RULES: Dict[object, Callable] = {}
@@ -40,7 +40,7 @@ def tensor_inputs(node):
 
 def sum_partials(state, node):
     for a in node.all_input_nodes:
-        if state.get(a) is PARTIAL:
+        if state.get(a) == P:
             state.sum_for(a, node)
 
 
@@ -50,4 +50,4 @@ def no_rule(state, node, split):
         state.fail(node, f"has no context-parallel rule for {packet(node)}")
     sum_partials(state, node)
     v = val(node)
-    state.set(node, tuple(WHOLE for _ in v) if isinstance(v, (tuple, list)) else WHOLE, "whole")
+    state.set(node, tuple(R for _ in v) if isinstance(v, (tuple, list)) else R, "whole")

@@ -9,7 +9,6 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.ops.context_parallel import cp_attention, cp_count
-from fxmegatron.passes.context_parallel.layout import to_placement
 from fxmegatron.passes.context_parallel.propagate import CPPlan
 from fxmegatron.passes.redistribute import Site, insert_edges
 from fxmegatron.passes.tensor_parallel.nodes import arg
@@ -69,7 +68,7 @@ def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, gro
         gm.graph.erase_node(node)
     for n, p in plan.plc.items():
         if n.graph is gm.graph:
-            place(n, "cp", to_placement(p))
+            place(n, "cp", p)
     gm.graph.lint()
     gm.recompile()
     return gm

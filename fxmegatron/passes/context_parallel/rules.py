@@ -3,8 +3,9 @@
 Each rule is ``rule(state, node, split)``. ``split``: some input holds chunks (or a whole
 sequence input was just taken for it); the rule then places the output or refuses with
 the reason, naming the node. Without a split input the op runs whole, as in the original
-model, and the rule only tracks where the sequence went (``Seq(..., split=False)``), or
-forgets it (``WHOLE``), never refusing. A partial sum (a loss over this rank's tokens)
+model, and the rule only tracks where the sequence went (``Replicate(seq=...)``), or
+forgets it (``R``), never refusing. Placements are ``fxmegatron.placement``'s on the cp axis
+(``layout``: a sequence shard is ``Shard(d, seq_inner=i)``). A partial sum (a loss over this rank's tokens)
 stays partial through linear ops, and is summed over cp (``cp_sum``) before anything else.
 
 Stated preconditions, per family:
@@ -26,9 +27,10 @@ import operator
 
 import torch
 
-from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq, seq_through_view
+from fxmegatron.passes.context_parallel.layout import is_split, seq_at, seq_of, seq_through_view
 from fxmegatron.passes.context_parallel.registry import no_rule, register, sum_partials, tensor_inputs
 from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val
+from fxmegatron.placement import P, R
 
 aten = torch.ops.aten
 
@@ -42,15 +44,15 @@ def _partial(state, node) -> bool:
     """Whether ``node`` keeps a partial sum partial: a copy, a negation, a scaling by a
     whole value, a sum of partial values."""
     pk, ins = packet(node), tensor_inputs(node)
-    parts = [a for a in ins if state.get(a) is PARTIAL]
+    parts = [a for a in ins if state.get(a) == P]
     if not parts:
         return False
     if pk in _LINEAR_UNARY:
         return node.args[0] in parts and len(parts) == 1
     if pk is aten.mul:
-        return len(parts) == 1 and all(state.get(a) is WHOLE for a in ins if a not in parts)
+        return len(parts) == 1 and all(state.get(a) == R for a in ins if a not in parts)
     if pk is aten.div:
-        return parts == [node.args[0]] and all(state.get(a) is WHOLE for a in ins if a is not node.args[0])
+        return parts == [node.args[0]] and all(state.get(a) == R for a in ins if a is not node.args[0])
     if pk in (aten.add, aten.sub):
         return len(parts) == len(ins) == 2 and len(node.args) < 3 and not node.kwargs
     return False
@@ -62,7 +64,7 @@ def elementwise(state, node, split):
     """Output's sequence where every sequence input's lands (right-aligned broadcasting)."""
     out = val(node)
     if _partial(state, node):
-        return state.set(node, PARTIAL, "elementwise.partial")
+        return state.set(node, P, "elementwise.partial")
     sum_partials(state, node)
     if not isinstance(out, torch.Tensor):
         return no_rule(state, node, split)
@@ -72,15 +74,15 @@ def elementwise(state, node, split):
     seqs = {}
     for a in tensor_inputs(node):
         p = state.placed(a)
-        if isinstance(p, Seq) and (p.split or not split):
-            seqs[a] = p.at(p.dim + out.ndim - val(a).ndim)
+        if seq_of(p) is not None and (is_split(p) or not split):
+            seqs[a] = seq_at(p, seq_of(p)[0] + out.ndim - val(a).ndim)
     if len(set(seqs.values())) > 1:
         if split:
             state.fail(node, "combines tensors whose sequences lie on different dims "
                              f"({', '.join(f'{a.name}: {s}' for a, s in seqs.items())})")
-        return state.set(node, WHOLE, "elementwise")
+        return state.set(node, R, "elementwise")
     if not seqs:
-        return state.set(node, WHOLE, "elementwise")
+        return state.set(node, R, "elementwise")
     s = next(iter(seqs.values()))
     if split:
         for a in tensor_inputs(node):
@@ -93,14 +95,14 @@ def elementwise(state, node, split):
 def _seq_of(state, node, split):
     """The placement of ``node.args[0]``, or None when it holds no sequence."""
     p = state.placed(node.args[0])
-    return p if isinstance(p, Seq) else None
+    return p if seq_of(p) is not None else None
 
 
 def _view_result(state, node, split, s, why):
     if s is None:
         if split:
             state.fail(node, why)
-        return state.set(node, WHOLE, "views")
+        return state.set(node, R, "views")
     state.set(node, s, "views")
 
 
@@ -110,19 +112,19 @@ _SIZED = (aten.view, aten.reshape, aten._unsafe_view, aten.expand)     # take th
 @register(aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.flatten)
 def reshape(state, node, split):
     if _partial(state, node):
-        return state.set(node, PARTIAL, "views.partial")
+        return state.set(node, P, "views.partial")
     sum_partials(state, node)
     s = _seq_of(state, node, split)
     if s is None:
-        return state.set(node, WHOLE, "views")
+        return state.set(node, R, "views")
     x = val(node.args[0])
     if packet(node) is aten.expand:
         lead = val(node).ndim - x.ndim
-        r = s.at(s.dim + lead)
+        r = seq_at(s, seq_of(s)[0] + lead)
     else:
         r = seq_through_view(tuple(x.shape), s, tuple(val(node).shape), state.plan.seq)
-    if r is not None and r.split and packet(node) in _SIZED:
-        state.plan.sizes[node] = (1, r.dim)
+    if r is not None and is_split(r) and packet(node) in _SIZED:
+        state.plan.sizes[node] = (1, seq_of(r)[0])
     _view_result(state, node, split, r, f"reshapes {tuple(x.shape)} to {tuple(val(node).shape)}, which cuts "
                                         f"the sequence ({s}) apart")
 
@@ -130,25 +132,26 @@ def reshape(state, node, split):
 @register(aten.permute, aten.transpose, aten.t, aten.unsqueeze, aten.squeeze)
 def move_dims(state, node, split):
     if _partial(state, node):
-        return state.set(node, PARTIAL, "views.partial")
+        return state.set(node, P, "views.partial")
     s = _seq_of(state, node, split)
     if s is None:
-        return state.set(node, WHOLE, "views")
+        return state.set(node, R, "views")
     nd, pk = val(node.args[0]).ndim, packet(node)
+    sd = seq_of(s)[0]
     if pk is aten.permute:
         perm = [norm(d, nd) for d in node.args[1]]
-        r = s.at(perm.index(s.dim))
+        r = seq_at(s, perm.index(sd))
     elif pk in (aten.transpose, aten.t):
         a, b = (norm(node.args[1], nd), norm(node.args[2], nd)) if pk is aten.transpose else (0, 1)
-        r = s.at(b if s.dim == a else a if s.dim == b else s.dim)
+        r = seq_at(s, b if sd == a else a if sd == b else sd)
     elif pk is aten.unsqueeze:
         d = norm(node.args[1], nd + 1)
-        r = s.at(s.dim + (1 if d <= s.dim else 0))
+        r = seq_at(s, sd + (1 if d <= sd else 0))
     else:
         dims = node.args[1] if len(node.args) > 1 else [i for i in range(nd) if val(node.args[0]).shape[i] == 1]
         dims = [norm(d, nd) for d in ([dims] if isinstance(dims, int) else dims)]
         dims = [d for d in dims if val(node.args[0]).shape[d] == 1]
-        r = s.at(s.dim - sum(1 for d in dims if d < s.dim))
+        r = seq_at(s, sd - sum(1 for d in dims if d < sd))
     state.set(node, r, "views")
 
 
@@ -157,15 +160,16 @@ def index_dim(state, node, split):
     s = _seq_of(state, node, split)
     sum_partials(state, node)
     if s is None:
-        return state.set(node, WHOLE, "views")
+        return state.set(node, R, "views")
     nd = val(node.args[0]).ndim
     d = norm(arg(node, 1, "dim", 0), nd)
-    if d == s.dim:
+    sd = seq_of(s)[0]
+    if d == sd:
         x, y = val(node.args[0]), val(node)
         if tuple(x.shape) == tuple(y.shape):      # a slice of everything
             return state.set(node, s, "views")
         return _view_result(state, node, split, None, f"slices or selects along the sequence ({s})")
-    r = s.at(s.dim - 1) if packet(node) is aten.select and d < s.dim else s
+    r = seq_at(s, sd - 1) if packet(node) is aten.select and d < sd else s
     state.set(node, r, "views")
 
 
@@ -176,14 +180,15 @@ def pieces(state, node, split):
     s = _seq_of(state, node, split)
     n = len(val(node))
     if s is None:
-        return state.set(node, (WHOLE,) * n, "views.pieces")
+        return state.set(node, (R,) * n, "views.pieces")
     nd = val(node.args[0]).ndim
     d = norm(arg(node, 1 if packet(node) is aten.unbind else 2, "dim", 0), nd)
-    if d == s.dim:
+    sd = seq_of(s)[0]
+    if d == sd:
         if split:
             state.fail(node, f"cuts the sequence ({s}) into pieces")
-        return state.set(node, (WHOLE,) * n, "views.pieces")
-    r = s.at(s.dim - 1) if packet(node) is aten.unbind and d < s.dim else s
+        return state.set(node, (R,) * n, "views.pieces")
+    r = seq_at(s, sd - 1) if packet(node) is aten.unbind and d < sd else s
     state.set(node, (r,) * n, "views.pieces")
 
 
@@ -195,12 +200,12 @@ def stack(state, node, split):
     ps = [state.placed(a) for a in parts]
     nd = val(node).ndim
     d = norm(arg(node, 1, "dim", 0), nd)
-    if len(set(ps)) == 1 and isinstance(ps[0], Seq):
-        s = ps[0]
-        return state.set(node, s.at(s.dim + (1 if d <= s.dim else 0)), "views.stack")
+    if len(set(ps)) == 1 and seq_of(ps[0]) is not None:
+        s, sd = ps[0], seq_of(ps[0])[0]
+        return state.set(node, seq_at(s, sd + (1 if d <= sd else 0)), "views.stack")
     if split:
         state.fail(node, f"stacks {[str(p) for p in ps]}: only tensors split alike")
-    state.set(node, WHOLE, "views.stack")
+    state.set(node, R, "views.stack")
 
 
 @register(aten.index)
@@ -212,7 +217,7 @@ def index(state, node, split):
     if s is None:
         return no_rule(state, node, split)
     idx = [(i, t) for i, t in enumerate(node.args[1]) if t is not None]
-    ok = (len(idx) == 1 and idx[0][0] != s.dim and isinstance(idx[0][1], torch.fx.Node)
+    ok = (len(idx) == 1 and idx[0][0] != seq_of(s)[0] and isinstance(idx[0][1], torch.fx.Node)
           and not state.split(idx[0][1]) and val(idx[0][1]).ndim == 1)
     if not ok:
         return _view_result(state, node, split, None, f"indexes {s} with {node.args[1]}: only one whole 1-D index "
@@ -227,22 +232,23 @@ def cat(state, node, split):
     out = val(node)
     d = norm(arg(node, 1, "dim", 0), out.ndim)
     ps = [state.placed(a) for a in parts]
-    seqs = {p for p in ps if isinstance(p, Seq)}
-    if split and (len(seqs) != 1 or any(not isinstance(p, Seq) for p in ps) or next(iter(seqs)).dim == d):
+    seqs = {p for p in ps if seq_of(p) is not None}
+    alike = len(seqs) == 1 and all(seq_of(p) is not None for p in ps) and seq_of(next(iter(seqs)))[0] != d
+    if split and not alike:
         state.fail(node, f"concatenates {[str(p) for p in ps]} along dim {d}: only tensors split alike, "
                          "joined along another dim than the sequence")
-    if len(seqs) == 1 and all(isinstance(p, Seq) for p in ps) and next(iter(seqs)).dim != d:
+    if alike:
         return state.set(node, next(iter(seqs)), "views.cat")
-    state.set(node, WHOLE, "views.cat")
+    state.set(node, R, "views.cat")
 
 
 @register(operator.getitem)
 def getitem(state, node, split):
     p = state.get(node.args[0])
-    state.set(node, p[node.args[1]] if isinstance(p, tuple) else WHOLE, "getitem")
+    state.set(node, p[node.args[1]] if isinstance(p, tuple) else R, "getitem")
 
 
 @register(aten._assert_tensor_metadata)
 def metadata(state, node, split):
-    state.set(node, WHOLE, "metadata")
+    state.set(node, R, "metadata")
 

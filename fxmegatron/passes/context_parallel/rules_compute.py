@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from fxmegatron.passes.context_parallel.layout import PARTIAL, WHOLE, Seq
+from fxmegatron.passes.context_parallel.layout import is_split, seq, seq_at, seq_of
 from fxmegatron.passes.context_parallel.registry import no_rule, register, sum_partials
 from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val
+from fxmegatron.placement import P, R
 
 aten = torch.ops.aten
 
@@ -15,12 +16,12 @@ def _batch_dim(state, node, x, out_dim_of, what):
     """The sequence of input ``x`` as a batch dim of the output (``out_dim_of(dim)``), or a
     refusal when the op contracts it."""
     s = state.placed(x)
-    if not (isinstance(s, Seq) and s.split):
+    if not is_split(s):
         return None
-    d = out_dim_of(s.dim)
+    d = out_dim_of(seq_of(s)[0])
     if d is None:
         state.fail(node, f"contracts the sequence ({s} of {x.name}) in {what}")
-    return s.at(d)
+    return seq_at(s, d)
 
 
 @register(aten.linear)
@@ -46,7 +47,7 @@ def matmul(state, node, split):
     a, b = node.args[1:3] if pk in (aten.addmm, aten.baddbmm) else node.args[:2]
     va, vb, out = val(a), val(b), val(node)
     sa, sb = state.placed(a), state.placed(b)
-    split_a, split_b = isinstance(sa, Seq) and sa.split, isinstance(sb, Seq) and sb.split
+    split_a, split_b = is_split(sa), is_split(sb)
     if not (split_a or split_b):
         return no_rule(state, node, split)
     if split_a and split_b:
@@ -57,7 +58,7 @@ def matmul(state, node, split):
     else:
         s = _batch_dim(state, node, b, lambda d: d + out.ndim - vb.ndim if d != vb.ndim - 2 or vb.ndim == 1
                        else None, "a·b")
-        if vb.ndim >= 3 and sb.dim < vb.ndim - 2:
+        if vb.ndim >= 3 and seq_of(sb)[0] < vb.ndim - 2:
             state.fail(node, "has the sequence in a batch dim of its second operand")
     if pk in (aten.addmm, aten.baddbmm) and isinstance(node.args[0], torch.fx.Node):
         state.take_aligned(node.args[0], node, s, out)
@@ -69,11 +70,11 @@ def embedding(state, node, split):
     """A lookup of this rank's ids: the ids' dims lead the output's."""
     ids = node.args[1]
     s = state.placed(ids)
-    if isinstance(s, Seq) and s.split:
+    if is_split(s):
         return state.set(node, s, "embedding")
     if split:
         state.fail(node, "looks up a table that holds this rank's chunks")
-    state.set(node, s.at(s.dim) if isinstance(s, Seq) else WHOLE, "embedding")
+    state.set(node, s if seq_of(s) is not None else R, "embedding")
 
 
 def _sequence_input(state, node, split):
@@ -81,7 +82,7 @@ def _sequence_input(state, node, split):
     as ``no_rule`` places it and None comes back."""
     sum_partials(state, node)
     s = state.placed(node.args[0])
-    if isinstance(s, Seq):
+    if seq_of(s) is not None:
         return s
     no_rule(state, node, split)
     return None
@@ -94,10 +95,10 @@ def layer_norm(state, node, split):
     if s is None:
         return
     nd = val(node.args[0]).ndim
-    if s.dim >= nd - len(node.args[1]):
+    if seq_of(s)[0] >= nd - len(node.args[1]):
         if split:
             state.fail(node, f"normalises over the sequence ({s})")
-        return state.set(node, WHOLE, "norms")
+        return state.set(node, R, "norms")
     for a in node.args[2:4]:
         if isinstance(a, torch.fx.Node) and state.split(a):
             state.fail(node, "has a weight split along the sequence")
@@ -110,10 +111,10 @@ def softmax(state, node, split):
     s = _sequence_input(state, node, split)
     if s is None:
         return
-    if norm(node.args[1], val(node).ndim) == s.dim:
+    if norm(node.args[1], val(node).ndim) == seq_of(s)[0]:
         if split:
             state.fail(node, f"is a softmax over the sequence ({s})")
-        return state.set(node, WHOLE, "softmax")
+        return state.set(node, R, "softmax")
     state.set(node, s, "softmax")
 
 
@@ -133,15 +134,16 @@ def reduction(state, node, split):
     dims = list(range(nd)) if dims is None or dims == [] else [norm(d, nd) for d in
                                                                  ([dims] if isinstance(dims, int) else dims)]
     keep = bool(arg(node, 2, "keepdim", False))
-    if s.dim in dims:
+    sd = seq_of(s)[0]
+    if sd in dims:
         if not split:
-            return state.set(node, WHOLE, "reductions")
+            return state.set(node, R, "reductions")
         if packet(node) not in (aten.sum, aten.mean):
             state.fail(node, f"takes a {packet(node)} over the sequence ({s})")
         if packet(node) in _MEANS:
             state.plan.mean_divisor[node] = state.plan.cp
-        return state.set(node, PARTIAL, "reductions.partial")
-    state.set(node, s.at(s.dim if keep else s.dim - sum(1 for d in dims if d < s.dim)), "reductions")
+        return state.set(node, P, "reductions.partial")
+    state.set(node, seq_at(s, sd if keep else sd - sum(1 for d in dims if d < sd)), "reductions")
 
 
 @register(aten.cross_entropy_loss, aten.nll_loss)
@@ -152,13 +154,13 @@ def cross_entropy(state, node, split):
     sum_partials(state, node)
     logits, target = node.args[:2]
     s = state.placed(logits)
-    if not (isinstance(s, Seq) and s.split):
+    if not is_split(s):
         return no_rule(state, node, split)
-    if val(logits).ndim != 2 or s.dim != 0:
+    if val(logits).ndim != 2 or seq_of(s)[0] != 0:
         state.fail(node, f"is a loss over logits {tuple(val(logits).shape)} with the sequence at {s}: "
                          "context parallelism needs [tokens, classes]")
     if not state.split(target):
-        state.take_aligned(target, node, Seq(0, s.inner), val(target))     # CE: target dim 0 is logits dim 0
+        state.take_aligned(target, node, seq(0, seq_of(s)[1]), val(target))     # CE: target dim 0 is logits dim 0
     reduction = arg(node, 3, "reduction", 1)
     if reduction == 0:
         return state.set(node, s, "loss")
@@ -166,7 +168,7 @@ def cross_entropy(state, node, split):
         if arg(node, 2, "weight", None) is not None:
             state.fail(node, "is a class-weighted mean: its divisor is a sum of weights, not a count")
         state.plan.mean_losses[node] = arg(node, 4, "ignore_index", -100)
-    state.set(node, PARTIAL, "loss.partial")
+    state.set(node, P, "loss.partial")
 
 
 @register(aten.scaled_dot_product_attention)
@@ -175,11 +177,11 @@ def attention(state, node, split):
     values of the other ranks come by ``cp_attention``."""
     q, k, v = node.args[:3]
     ps = [state.placed(a) for a in (q, k, v)]
-    if not any(isinstance(p, Seq) and p.split for p in ps):
+    if not any(is_split(p) for p in ps):
         return no_rule(state, node, split)
     for a, p in zip((q, k, v), ps):
         nd = val(a).ndim
-        if not (isinstance(p, Seq) and p.split and p.dim == nd - 2 and p.inner == 1):
+        if not (is_split(p) and seq_of(p) == (nd - 2, 1)):
             state.fail(node, f"reads {a.name} as {p}: context-parallel attention needs q, k and v split along "
                              "the sequence (dim -2)")
     mask = arg(node, 3, "attn_mask", None)
