@@ -91,6 +91,40 @@ def test_every_planned_placement_is_of_the_one_vocabulary(name):
         assert Placements.of(tp=p).on("tp") == (p if p is not None else R)
 
 
+def test_a_cp_rule_decides_and_the_walk_records(monkeypatch):
+    """cp's rules are pure: they see a ``View`` (reads only) and return an ``Outcome``; what the
+    plan holds for a node is that outcome, and a note the rewrite does not know is refused."""
+    import dataclasses
+
+    import torch
+
+    from fxmegatron.passes.context_parallel.propagate import View
+    from fxmegatron.passes.context_parallel.registry import RULES, Outcome
+    assert not {"plan", "set", "take", "sum_for", "record"} & set(dir(View))
+    fam = FAMILIES["llama"]
+    cap = capture(fam.build(1), make_batch(fam, 0))
+    ce = torch.ops.aten.cross_entropy_loss
+    seen = {}
+
+    def spy(view, node, split):
+        assert isinstance(view, View)
+        seen[node] = out = real(view, node, split)
+        return out
+    real = RULES[ce]
+    monkeypatch.setitem(RULES, ce, spy)
+    gm = copy.deepcopy(cap.gm)
+    attention_rewrites(gm)
+    plan = plan_context_parallel(gm, 2, cap.params.keys())
+    (node, out), = seen.items()
+    assert isinstance(out, Outcome) and out.placement == P and out.note[0] == "mean_loss"
+    assert plan.plc[node] == out.placement and plan.mean_losses[node] == out.note[1]
+    assert {a for (a, c) in plan.takes if c is node} == {a for a, _ in out.takes}
+    monkeypatch.setitem(RULES, ce, lambda view, node, split: dataclasses.replace(real(view, node, split),
+                                                                                note=("bogus", None)))
+    with pytest.raises(ValueError, match="cross_entropy_loss: a rule's note 'bogus'"):
+        plan_context_parallel(copy.deepcopy(gm), 2, cap.params.keys())
+
+
 # ---- reassembly reads the per-axis placement -------------------------------------------------
 def test_take_layout_cuts_over_the_axes_that_shard():
     import torch

@@ -22,7 +22,7 @@ import torch.fx as fx
 from fxmegatron.errors import ShardingError
 from fxmegatron.passes.context_parallel import rules, rules_compute
 from fxmegatron.passes.context_parallel.layout import is_split, seq, seq_of
-from fxmegatron.passes.context_parallel.registry import rule_for
+from fxmegatron.passes.context_parallel.registry import Outcome, rule_for
 from fxmegatron.passes.redistribute import Edge
 from fxmegatron.passes.tensor_parallel.nodes import packet, val, where
 from fxmegatron.placement import P, Placement, R
@@ -60,10 +60,32 @@ class CPPlan:
             yield Edge("cp", a, users, "P->R", "R->R")
 
 
+class View:
+    """What a rule reads (and only that): placements so far (``get``), as the node being visited
+    reads them (``placed``: after the walk's takes for it), whether a value is this rank's chunks
+    (``split``), the sequence length ``seq`` and ``cp``; ``fail`` refuses, naming the node."""
+
+    def __init__(self, state: "State"):
+        self._state, self.seq, self.cp = state, state.plan.seq, state.plan.cp
+
+    def get(self, n):
+        return self._state.get(n)
+
+    def placed(self, n):
+        return self._state.placed(n)
+
+    def split(self, n) -> bool:
+        return is_split(self.get(n))
+
+    def fail(self, node: fx.Node, why: str):
+        self._state.fail(node, why)
+
+
 class State:
     def __init__(self, gm: fx.GraphModule, cp: int, seq: int, param_names: Set[str]):
         self.gm = gm
         self.plan = CPPlan(cp, seq)
+        self.view = View(self)
         self.needs_grad: Set[fx.Node] = set()
         for n in gm.graph.nodes:
             if n.op == "get_attr" and n.target in param_names:
@@ -90,26 +112,6 @@ class State:
         """``consumer`` reads this rank's chunks of the whole value ``a`` (its sequence where ``s``
         has it)."""
         self.plan.takes[(a, consumer)] = seq(*seq_of(s))
-
-    def take_aligned(self, a: fx.Node, consumer: fx.Node, out: Placement, out_val: torch.Tensor):
-        """Broadcasting alignment: a whole input ``a`` of an op whose output's sequence is
-        ``out`` holds, at the aligned dim, size 1 (broadcast: nothing to take), the whole
-        sequence's size (taken), or no such dim (nothing to take)."""
-        v = val(a)
-        if not isinstance(v, torch.Tensor):
-            return
-        out_dim, inner = seq_of(out)
-        d = out_dim - (out_val.ndim - v.ndim)
-        if d < 0 or v.shape[d] == 1:
-            return
-        if v.shape[d] != out_val.shape[out_dim]:
-            self.fail(consumer, f"reads {a.name} of shape {tuple(v.shape)} against a sequence of "
-                                f"{out_val.shape[out_dim]} at its dim {d}")
-        p = self.get(a)
-        if seq_of(p) is not None and seq_of(p) != (d, inner):
-            self.fail(consumer, f"combines tensors whose sequences lie differently ({p} at {a.name}, {out} at "
-                                "the output)")
-        self.take(a, consumer, seq(d, inner))
 
     def sum_for(self, a: fx.Node, consumer: fx.Node):
         """``consumer`` needs the partial value ``a`` whole: all-reduce over cp there."""
@@ -150,8 +152,27 @@ class State:
                 for a in whole_seq:
                     self.take(a, node, self.get(a))
                 split = True
-        rule(self, node, split)
-        self.plan.rules.setdefault(node, getattr(rule, "rule_name", rule.__name__))
+        self.record(node, rule(self.view, node, split))
+
+    def record(self, node: fx.Node, out: Outcome):
+        """The walk, not the rule, records what a rule decided."""
+        self.set(node, out.placement, out.rule)
+        for a, s in out.takes:
+            self.take(a, node, s)
+        for a in out.sums:
+            self.sum_for(a, node)
+        if out.note is not None:
+            kind, value = out.note
+            if kind == "size":
+                self.plan.sizes[node] = value
+            elif kind == "mean_divisor":
+                self.plan.mean_divisor[node] = value
+            elif kind == "mean_loss":
+                self.plan.mean_losses[node] = value
+            elif kind == "attention":
+                self.plan.attention.append(node)
+            else:
+                raise ValueError(f"{node.name}: a rule's note {kind!r} is none the cp rewrite knows")
 
     def placed(self, a) -> object:
         """``a``'s placement as the node being visited reads it (after a take)."""

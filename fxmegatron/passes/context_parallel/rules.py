@@ -1,8 +1,10 @@
 """Context-parallel rules: ATen op -> how it runs on this rank's chunks of the sequence.
 
-Each rule is ``rule(state, node, split)``. ``split``: some input holds chunks (or a whole
-sequence input was just taken for it); the rule then places the output or refuses with
-the reason, naming the node. Without a split input the op runs whole, as in the original
+Each rule is a pure function ``rule(view, node, split) -> Outcome`` (``registry``): it reads
+placements and returns the node's placement and the changes it needs at its inputs (takes,
+sums); the walk records them. ``split``: some input holds chunks (or a whole sequence input
+was just taken for it); the rule then places the output or refuses with the reason, naming
+the node. Without a split input the op runs whole, as in the original
 model, and the rule only tracks where the sequence went (``Replicate(seq=...)``), or
 forgets it (``R``), never refusing. Placements are ``fxmegatron.placement``'s on the cp axis
 (``layout``: a sequence shard is ``Shard(d, seq_inner=i)``). A partial sum (a loss over this rank's tokens)
@@ -28,7 +30,8 @@ import operator
 import torch
 
 from fxmegatron.passes.context_parallel.layout import is_split, seq_at, seq_of, seq_through_view
-from fxmegatron.passes.context_parallel.registry import no_rule, register, sum_partials, tensor_inputs
+from fxmegatron.passes.context_parallel.registry import (Outcome, aligned_take, no_rule, register, summed,
+                                                         tensor_inputs)
 from fxmegatron.passes.tensor_parallel.nodes import arg, norm, packet, val
 from fxmegatron.placement import P, R
 
@@ -40,19 +43,19 @@ _LINEAR_UNARY = {aten.neg, aten.alias, aten.clone, aten.contiguous, aten.to, ate
                  aten.reshape, aten._unsafe_view, aten.squeeze, aten.unsqueeze, aten.type_as}
 
 
-def _partial(state, node) -> bool:
+def _partial(view, node) -> bool:
     """Whether ``node`` keeps a partial sum partial: a copy, a negation, a scaling by a
     whole value, a sum of partial values."""
     pk, ins = packet(node), tensor_inputs(node)
-    parts = [a for a in ins if state.get(a) == P]
+    parts = [a for a in ins if view.get(a) == P]
     if not parts:
         return False
     if pk in _LINEAR_UNARY:
         return node.args[0] in parts and len(parts) == 1
     if pk is aten.mul:
-        return len(parts) == 1 and all(state.get(a) == R for a in ins if a not in parts)
+        return len(parts) == 1 and all(view.get(a) == R for a in ins if a not in parts)
     if pk is aten.div:
-        return parts == [node.args[0]] and all(state.get(a) == R for a in ins if a is not node.args[0])
+        return parts == [node.args[0]] and all(view.get(a) == R for a in ins if a is not node.args[0])
     if pk in (aten.add, aten.sub):
         return len(parts) == len(ins) == 2 and len(node.args) < 3 and not node.kwargs
     return False
@@ -60,82 +63,81 @@ def _partial(state, node) -> bool:
 
 @register("pointwise", aten.dropout, aten.type_as, aten.masked_fill, aten.where, aten.alias, aten.clone, aten.contiguous,
           aten.detach, aten.lift_fresh_copy, aten.gelu, aten.silu, aten.to, aten._to_copy)
-def elementwise(state, node, split):
+def elementwise(view, node, split):
     """Output's sequence where every sequence input's lands (right-aligned broadcasting)."""
     out = val(node)
-    if _partial(state, node):
-        return state.set(node, P, "elementwise.partial")
-    sum_partials(state, node)
+    if _partial(view, node):
+        return Outcome(P, "elementwise.partial")
     if not isinstance(out, torch.Tensor):
-        return no_rule(state, node, split)
+        return no_rule(view, node, split)
     if packet(node) is aten.dropout and split and node.args[1] > 0 and node.args[2]:
-        state.fail(node, f"is dropout (p={node.args[1]}): counter-based dropout does not yet know the "
-                         "global positions of this rank's two chunks")
+        view.fail(node, f"is dropout (p={node.args[1]}): counter-based dropout does not yet know the "
+                        "global positions of this rank's two chunks")
     seqs = {}
     for a in tensor_inputs(node):
-        p = state.placed(a)
+        p = view.placed(a)
         if seq_of(p) is not None and (is_split(p) or not split):
             seqs[a] = seq_at(p, seq_of(p)[0] + out.ndim - val(a).ndim)
     if len(set(seqs.values())) > 1:
         if split:
-            state.fail(node, "combines tensors whose sequences lie on different dims "
-                             f"({', '.join(f'{a.name}: {s}' for a, s in seqs.items())})")
-        return state.set(node, R, "elementwise")
+            view.fail(node, "combines tensors whose sequences lie on different dims "
+                            f"({', '.join(f'{a.name}: {s}' for a, s in seqs.items())})")
+        return summed(view, node, R, "elementwise")
     if not seqs:
-        return state.set(node, R, "elementwise")
+        return summed(view, node, R, "elementwise")
     s = next(iter(seqs.values()))
+    takes = []
     if split:
         for a in tensor_inputs(node):
             if a not in seqs:
-                state.take_aligned(a, node, s, out)
-    state.set(node, s, "elementwise")
+                takes.extend(aligned_take(view, a, node, s, out))
+    return summed(view, node, s, "elementwise", takes)
 
 
 # ---- views ---------------------------------------------------------------------------
-def _seq_of(state, node, split):
+def _seq_of(view, node):
     """The placement of ``node.args[0]``, or None when it holds no sequence."""
-    p = state.placed(node.args[0])
+    p = view.placed(node.args[0])
     return p if seq_of(p) is not None else None
 
 
-def _view_result(state, node, split, s, why):
+def _view_result(view, node, split, s, why, note=None):
     if s is None:
         if split:
-            state.fail(node, why)
-        return state.set(node, R, "views")
-    state.set(node, s, "views")
+            view.fail(node, why)
+        return summed(view, node, R, "views")
+    return summed(view, node, s, "views", note=note)
 
 
 _SIZED = (aten.view, aten.reshape, aten._unsafe_view, aten.expand)     # take the output sizes as arg 1
 
 
 @register(aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.flatten)
-def reshape(state, node, split):
-    if _partial(state, node):
-        return state.set(node, P, "views.partial")
-    sum_partials(state, node)
-    s = _seq_of(state, node, split)
+def reshape(view, node, split):
+    if _partial(view, node):
+        return Outcome(P, "views.partial")
+    s = _seq_of(view, node)
     if s is None:
-        return state.set(node, R, "views")
+        return summed(view, node, R, "views")
     x = val(node.args[0])
     if packet(node) is aten.expand:
         lead = val(node).ndim - x.ndim
         r = seq_at(s, seq_of(s)[0] + lead)
     else:
-        r = seq_through_view(tuple(x.shape), s, tuple(val(node).shape), state.plan.seq)
-    if r is not None and is_split(r) and packet(node) in _SIZED:
-        state.plan.sizes[node] = (1, seq_of(r)[0])
-    _view_result(state, node, split, r, f"reshapes {tuple(x.shape)} to {tuple(val(node).shape)}, which cuts "
-                                        f"the sequence ({s}) apart")
+        r = seq_through_view(tuple(x.shape), s, tuple(val(node).shape), view.seq)
+    note = ("size", (1, seq_of(r)[0])) if r is not None and is_split(r) and packet(node) in _SIZED else None
+    return _view_result(view, node, split, r, f"reshapes {tuple(x.shape)} to {tuple(val(node).shape)}, which "
+                                              f"cuts the sequence ({s}) apart", note)
 
 
 @register(aten.permute, aten.transpose, aten.t, aten.unsqueeze, aten.squeeze)
-def move_dims(state, node, split):
-    if _partial(state, node):
-        return state.set(node, P, "views.partial")
-    s = _seq_of(state, node, split)
+def move_dims(view, node, split):
+    """A partial input stays partial where the op is linear (``_partial``), else it is summed."""
+    if _partial(view, node):
+        return Outcome(P, "views.partial")
+    s = _seq_of(view, node)
     if s is None:
-        return state.set(node, R, "views")
+        return summed(view, node, R, "views")
     nd, pk = val(node.args[0]).ndim, packet(node)
     sd = seq_of(s)[0]
     if pk is aten.permute:
@@ -152,103 +154,95 @@ def move_dims(state, node, split):
         dims = [norm(d, nd) for d in ([dims] if isinstance(dims, int) else dims)]
         dims = [d for d in dims if val(node.args[0]).shape[d] == 1]
         r = seq_at(s, sd - sum(1 for d in dims if d < sd))
-    state.set(node, r, "views")
+    return summed(view, node, r, "views")
 
 
 @register(aten.slice, aten.select, aten.narrow)
-def index_dim(state, node, split):
-    s = _seq_of(state, node, split)
-    sum_partials(state, node)
+def index_dim(view, node, split):
+    s = _seq_of(view, node)
     if s is None:
-        return state.set(node, R, "views")
+        return summed(view, node, R, "views")
     nd = val(node.args[0]).ndim
     d = norm(arg(node, 1, "dim", 0), nd)
     sd = seq_of(s)[0]
     if d == sd:
         x, y = val(node.args[0]), val(node)
         if tuple(x.shape) == tuple(y.shape):      # a slice of everything
-            return state.set(node, s, "views")
-        return _view_result(state, node, split, None, f"slices or selects along the sequence ({s})")
+            return summed(view, node, s, "views")
+        return _view_result(view, node, split, None, f"slices or selects along the sequence ({s})")
     r = seq_at(s, sd - 1) if packet(node) is aten.select and d < sd else s
-    state.set(node, r, "views")
+    return summed(view, node, r, "views")
 
 
 @register(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)
-def pieces(state, node, split):
+def pieces(view, node, split):
     """Pieces along another dim than the sequence (a fused qkv projection's split)."""
-    sum_partials(state, node)
-    s = _seq_of(state, node, split)
+    s = _seq_of(view, node)
     n = len(val(node))
     if s is None:
-        return state.set(node, (R,) * n, "views.pieces")
+        return summed(view, node, (R,) * n, "views.pieces")
     nd = val(node.args[0]).ndim
     d = norm(arg(node, 1 if packet(node) is aten.unbind else 2, "dim", 0), nd)
     sd = seq_of(s)[0]
     if d == sd:
         if split:
-            state.fail(node, f"cuts the sequence ({s}) into pieces")
-        return state.set(node, (R,) * n, "views.pieces")
+            view.fail(node, f"cuts the sequence ({s}) into pieces")
+        return summed(view, node, (R,) * n, "views.pieces")
     r = seq_at(s, sd - 1) if packet(node) is aten.unbind and d < sd else s
-    state.set(node, (r,) * n, "views.pieces")
+    return summed(view, node, (r,) * n, "views.pieces")
 
 
 @register(aten.stack)
-def stack(state, node, split):
+def stack(view, node, split):
     """Tensors split alike, stacked along a new dim (interleaved rotary: GPT-J, Cohere)."""
-    sum_partials(state, node)
     parts = node.args[0]
-    ps = [state.placed(a) for a in parts]
+    ps = [view.placed(a) for a in parts]
     nd = val(node).ndim
     d = norm(arg(node, 1, "dim", 0), nd)
     if len(set(ps)) == 1 and seq_of(ps[0]) is not None:
         s, sd = ps[0], seq_of(ps[0])[0]
-        return state.set(node, seq_at(s, sd + (1 if d <= sd else 0)), "views.stack")
+        return summed(view, node, seq_at(s, sd + (1 if d <= sd else 0)), "views.stack")
     if split:
-        state.fail(node, f"stacks {[str(p) for p in ps]}: only tensors split alike")
-    state.set(node, R, "views.stack")
+        view.fail(node, f"stacks {[str(p) for p in ps]}: only tensors split alike")
+    return summed(view, node, R, "views.stack")
 
 
 @register(aten.index)
-def index(state, node, split):
+def index(view, node, split):
     """x[..., idx, ...] with one whole index tensor at another dim than the sequence (Falcon's
     per-head k/v selection); the dim keeps its place."""
-    sum_partials(state, node)
-    s = _seq_of(state, node, split)
+    s = _seq_of(view, node)
     if s is None:
-        return no_rule(state, node, split)
+        return no_rule(view, node, split)
     idx = [(i, t) for i, t in enumerate(node.args[1]) if t is not None]
     ok = (len(idx) == 1 and idx[0][0] != seq_of(s)[0] and isinstance(idx[0][1], torch.fx.Node)
-          and not state.split(idx[0][1]) and val(idx[0][1]).ndim == 1)
+          and not view.split(idx[0][1]) and val(idx[0][1]).ndim == 1)
     if not ok:
-        return _view_result(state, node, split, None, f"indexes {s} with {node.args[1]}: only one whole 1-D index "
+        return _view_result(view, node, split, None, f"indexes {s} with {node.args[1]}: only one whole 1-D index "
                                                      "at another dim than the sequence")
-    state.set(node, s, "views.index")
+    return summed(view, node, s, "views.index")
 
 
 @register(aten.cat)
-def cat(state, node, split):
-    sum_partials(state, node)
+def cat(view, node, split):
     parts = node.args[0]
     out = val(node)
     d = norm(arg(node, 1, "dim", 0), out.ndim)
-    ps = [state.placed(a) for a in parts]
+    ps = [view.placed(a) for a in parts]
     seqs = {p for p in ps if seq_of(p) is not None}
     alike = len(seqs) == 1 and all(seq_of(p) is not None for p in ps) and seq_of(next(iter(seqs)))[0] != d
     if split and not alike:
-        state.fail(node, f"concatenates {[str(p) for p in ps]} along dim {d}: only tensors split alike, "
-                         "joined along another dim than the sequence")
-    if alike:
-        return state.set(node, next(iter(seqs)), "views.cat")
-    state.set(node, R, "views.cat")
+        view.fail(node, f"concatenates {[str(p) for p in ps]} along dim {d}: only tensors split alike, "
+                        "joined along another dim than the sequence")
+    return summed(view, node, next(iter(seqs)) if alike else R, "views.cat")
 
 
 @register(operator.getitem)
-def getitem(state, node, split):
-    p = state.get(node.args[0])
-    state.set(node, p[node.args[1]] if isinstance(p, tuple) else R, "getitem")
+def getitem(view, node, split):
+    p = view.get(node.args[0])
+    return Outcome(p[node.args[1]] if isinstance(p, tuple) else R, "getitem")
 
 
 @register(aten._assert_tensor_metadata)
-def metadata(state, node, split):
-    state.set(node, R, "metadata")
-
+def metadata(view, node, split):
+    return Outcome(R, "metadata")
