@@ -101,3 +101,22 @@ def test_a_planted_wrong_loss_placement_is_named(monkeypatch):
     msg = str(err.value)
     assert "first divergent node cross_entropy_loss (" in msg, msg
     assert "cp P(sum) by cp rule 'loss.partial'" in msg and "differs from the original by" in msg, msg
+
+
+class _PooledThenTransposed(torch.nn.Module):
+    """A loss from a sum over the sequence (under cp: a partial sum on each rank), transposed and
+    squared: the partial sum must be made whole before the square, not read as whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8)
+
+    def forward(self, ids):
+        pooled = self.emb(ids).sum(1)           # [B, H], a partial sum over cp
+        return (pooled.t() * pooled.t()).mean()
+
+
+def test_a_partial_sum_through_a_transpose_is_summed_first():
+    torch.manual_seed(0)
+    report = fxmegatron.verify(_PooledThenTransposed(), (torch.randint(0, 32, (2, 8)),), cp=2)   # raises if not exact
+    assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * abs(report.loss_ref), report
