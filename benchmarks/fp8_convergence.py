@@ -136,7 +136,8 @@ def datasets(args, path: str):
     """The training batches (``Batches``: step k's is the same for every run) and the fixed
     validation batches, from the held-out end of the text: the bundled trainer's own sampler."""
     from fxmegatron.train.data import Batches, eval_windows
-    from fxmegatron.train.tokens import split_stream, text_tokens
+    from fxmegatron.train.documents import text_tokens
+    from fxmegatron.train.tokens import split_stream
     train_tokens, valid_tokens = split_stream(text_tokens([path], "bytes"), args.valid_fraction)
     return (Batches(train_tokens, args.seq, args.batch, args.seed),
             eval_windows(valid_tokens, args.seq, args.batch, args.val_batches))

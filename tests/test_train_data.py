@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxmegatron.errors import DataError
-from fxmegatron.train import tokens
+from fxmegatron.train import documents, tokens
 from fxmegatron.train.data import (Batches, TokenStream, eval_windows, memmap_tokens, split_stream,
                                    text_tokens, tokenizer_vocab_size)
 from fxmegatron.train.token_files import write_tokens
@@ -179,12 +179,12 @@ def test_hf_tokenizer_appends_eos_per_document(tmp_path, hf_dir):
 
 def _counting(monkeypatch):
     calls = []
-    real = tokens._tokenize_file
+    real = documents._tokenize_file
 
-    def counted(tok, path):
+    def counted(tok, path, texts):
         calls.append(path)
-        return real(tok, path)
-    monkeypatch.setattr(tokens, "_tokenize_file", counted)
+        return real(tok, path, texts)
+    monkeypatch.setattr(documents, "_tokenize_file", counted)
     return calls
 
 
@@ -218,7 +218,7 @@ def test_hf_cache_ignores_a_partial_write(tmp_path, hf_dir, monkeypatch):
     a.write_text("the cat sat")
     cache = tmp_path / "cache"
     cache.mkdir()
-    key = tokens.cache_key([str(a)], hf_dir)
+    key = documents.cache_key([str(a)], hf_dir)
     (cache / f"{key}.bin").write_bytes(b"\1\0")              # a dead writer's .bin, without .json
     s = text_tokens([str(a)], hf_dir, cache_dir=str(cache))
     assert s.read(0, len(s)).tolist() == text_tokens([str(a)], hf_dir).read(0, len(s)).tolist()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fxmegatron.io import checkpoint
-from fxmegatron.train.tokens import save_tokenizer
+from fxmegatron.train.documents import save_tokenizer
 
 _NAME = re.compile(r"^step-(\d{8})$")
 _ANY = re.compile(r"^step-(\d{8})(\.tmp|\.old)?$")

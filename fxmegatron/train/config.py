@@ -24,6 +24,7 @@ except ImportError:             # pragma: no cover - Python 3.10
     import tomli as tomllib     # type: ignore[no-redef]
 
 REQUIRED = object()
+TEXT_KINDS = ("text", "jsonl")     # data kinds read through a tokenizer (bytes or a folder)
 
 
 @dataclass(frozen=True)
@@ -80,15 +81,17 @@ KEYS: List[Key] = [
     _k("model", "gpt", dict, {}, "kind = gpt: GPTConfig fields (n_layer, n_head, n_embd, dropout, "
        "tie_embeddings, bias; vocab_size and block_size come from the data)"),
     # ---- data ----
-    _k("data", "kind", STR, "text", "text (plain text files, tokenized) or tokens (a flat .bin file of "
-       "token ids, Megatron's and nanoGPT's convention)", choices=("text", "tokens")),
+    _k("data", "kind", STR, "text", "text (plain text files, tokenized: a file is a document), jsonl (JSON "
+       "Lines: each record's text_field is a document) or tokens (a flat .bin file of token ids, Megatron's "
+       "and nanoGPT's convention)", choices=("text", "jsonl", "tokens")),
+    _k("data", "text_field", STR, "text", "kind = jsonl: the field of each record that holds its text"),
     _k("data", "train", LIST, REQUIRED, "training file(s): a path or a list of paths"),
     _k("data", "valid", LIST, [], "held-out file(s); when empty, the last valid_fraction of the training "
        "tokens is held out"),
     _k("data", "valid_fraction", FLOAT, 0.1, "share of the training tokens held out when valid is empty",
        minimum=0),
     _k("data", "token_dtype", STR, "uint16", "kind = tokens: uint16 or uint32", choices=("uint16", "uint32")),
-    _k("data", "tokenizer", STR, "bytes", "kind = text: bytes (UTF-8 bytes, vocabulary 256) or the directory "
+    _k("data", "tokenizer", STR, "bytes", "kind = text or jsonl: bytes (UTF-8 bytes, vocabulary 256) or the directory "
        "of a Hugging Face tokenizer (save_pretrained form)"),
     _k("data", "seq_len", INT, REQUIRED, "tokens per sequence (sequences are packed: documents concatenated)",
        minimum=1),
@@ -246,7 +249,7 @@ def from_dict(raw: Dict[str, Any], where: str = "config", base_dir: str = ".",
     m = values["model"]
     if m["kind"] == "hf" or (m["kind"] == "factory" and ".py:" in m["path"]):
         m["path"] = _path(base_dir, m["path"])
-    if values["data"]["kind"] == "text" and values["data"]["tokenizer"] != "bytes":
+    if values["data"]["kind"] in TEXT_KINDS and values["data"]["tokenizer"] != "bytes":
         values["data"]["tokenizer"] = _path(base_dir, values["data"]["tokenizer"])
     return Config(values, where)
 
@@ -315,7 +318,7 @@ def check_files(cfg: Config) -> None:
     for p in cfg.data.train + cfg.data.valid:
         if not os.path.isfile(p):
             raise ConfigError(f"{cfg.source}: data file {p} does not exist")
-    if cfg.data.kind == "text" and cfg.data.tokenizer != "bytes" and not os.path.isdir(cfg.data.tokenizer):
+    if cfg.data.kind in TEXT_KINDS and cfg.data.tokenizer != "bytes" and not os.path.isdir(cfg.data.tokenizer):
         raise ConfigError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer} is not a directory (a Hugging Face "
                           f"tokenizer saved with save_pretrained), nor 'bytes'")
     m = cfg.model

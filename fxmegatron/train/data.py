@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from fxmegatron.errors import DataError
-from fxmegatron.train.tokens import (TokenStream, memmap_tokens, split_stream, text_tokens,
-                                     tokenizer_vocab_size)
+from fxmegatron.train.documents import jsonl_tokens, text_tokens, tokenizer_vocab_size
+from fxmegatron.train.tokens import TokenStream, memmap_tokens, split_stream
 
-__all__ = ["TokenStream", "memmap_tokens", "text_tokens", "tokenizer_vocab_size", "split_stream",
+__all__ = ["TokenStream", "memmap_tokens", "text_tokens", "jsonl_tokens", "tokenizer_vocab_size", "split_stream",
            "Batches", "eval_windows", "num_windows"]
 
 # Bumped when the batches drawn for the same (stream, seed, step) would change: a checkpoint

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from fxmegatron.errors import CheckpointError, ConfigError, DataError, ExportError, FxMegatronError
 from fxmegatron.io.checkpoint import read_extra, read_full_state
 from fxmegatron.train.models import SafetensorsState, build_hf, load_model, tied_sources
-from fxmegatron.train.tokens import save_tokenizer
+from fxmegatron.train.documents import save_tokenizer
 
 TOKENIZER_DIR = "tokenizer"
 

@@ -13,8 +13,8 @@ import torch
 from fxmegatron.errors import ConfigError, DataError, FxMegatronError
 from fxmegatron.layout import Layout
 from fxmegatron.train import config as config_mod
-from fxmegatron.train.config import Config
-from fxmegatron.train.data import (Batches, eval_windows, memmap_tokens, split_stream, text_tokens,
+from fxmegatron.train.config import TEXT_KINDS, Config
+from fxmegatron.train.data import (Batches, eval_windows, jsonl_tokens, memmap_tokens, split_stream, text_tokens,
                                    tokenizer_vocab_size)
 from fxmegatron.train.models import ModelSource, load_model
 
@@ -62,6 +62,8 @@ def _streams(cfg: Config, cache_dir: str):
                 raise ConfigError(f"{cfg.source}: data.kind = 'tokens' reads one .bin file per split, got "
                                   f"{len(paths)}: concatenate them")
             return memmap_tokens(paths[0], d.token_dtype)
+        if d.kind == "jsonl":
+            return jsonl_tokens(paths, d.tokenizer, d.text_field, cache_dir=cache_dir)
         return text_tokens(paths, d.tokenizer, cache_dir=cache_dir)
 
     train = open_files(d.train)
@@ -114,7 +116,7 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     layout = layout_of(cfg)
     config_mod.check_files(cfg)
     train, valid = _streams(cfg, os.path.join(cfg.run.out, "cache"))
-    if cfg.data.kind == "text":
+    if cfg.data.kind in TEXT_KINDS:
         vocab_data = tokenizer_vocab_size(cfg.data.tokenizer)
     else:
         vocab_data = max(train.vocab_needed, valid.vocab_needed)
@@ -124,7 +126,7 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     source = load_model(m.kind, m.path or None, options, dtype, m.weights)
     if vocab_data > source.vocab_size:
         big = valid if cfg.data.valid and valid.vocab_needed > train.vocab_needed else train   # the file to name
-        what = (f"the tokenizer {cfg.data.tokenizer} has {vocab_data} tokens" if cfg.data.kind == "text"
+        what = (f"the tokenizer {cfg.data.tokenizer} has {vocab_data} tokens" if cfg.data.kind in TEXT_KINDS
                 else f"{(cfg.data.valid if big is valid else cfg.data.train)[0]} holds token ids up to {vocab_data - 1}")
         raise DataError(f"{cfg.source}: {what}, but the model's vocabulary has {source.vocab_size}: the data does "
                         f"not belong to this model{big.dtype_hint}")

@@ -12,6 +12,8 @@ uint16 pairs read as uint32 (ids in the millions, beyond any vocabulary). Ids be
 model's vocabulary are refused by the trainer once the model is known, with ``dtype_hint``."""
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import uuid
@@ -151,3 +153,25 @@ def _sniff(path: str, arr: np.ndarray, dt: np.dtype) -> None:
     if dt.itemsize == 4 and len(sample) and int(sample.max()) >= _MAX_PLAUSIBLE_ID:
         raise DataError(f"{path}: read as uint32 it holds id {int(sample.max())}, beyond any vocabulary: pairs "
                         f'of uint16 ids; set data.token_dtype = "uint16"{fix}')
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str):
+    """Hold an exclusive lock so that, of the ranks of one host, one tokenizes and the
+    others wait and then read its cache. Where flock is missing or does not work (some
+    network filesystems) every rank tokenizes; that stays correct because writes are atomic
+    and their content identical."""
+    try:
+        import fcntl
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)   # releases the lock

@@ -1,8 +1,8 @@
 """Token streams: where the trainer's tokens come from.
 
 A stream is a flat sequence of token ids read lazily: a Megatron / nanoGPT ``.bin`` file
-(memory-mapped), or plain text files tokenized by bytes or by a Hugging Face tokenizer
-(optionally cached as a ``.bin``). Documents are packed: concatenated, with a Hugging Face
+(memory-mapped), or documents (text files, JSON Lines records) tokenized by bytes or by a
+Hugging Face tokenizer (``documents.py``, optionally cached as a ``.bin``). Documents are packed: concatenated, with a Hugging Face
 tokenizer's EOS after each (when it has one), so a training window may span two documents. Bytes
 have no separator: the 256 byte values are the whole vocabulary, and an EOS id of 256 would
 make it 257, which no tensor-parallel split of the bundled GPT divides (and which would make the
@@ -10,7 +10,6 @@ model's shape depend on a separator)."""
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import json
 import os
@@ -19,13 +18,10 @@ import time
 import numpy as np
 
 from fxmegatron.errors import DataError
-from fxmegatron.train.token_files import TOKEN_DTYPES, atomic_write, open_tokens, read_sidecar, write_tokens
+from fxmegatron.train.token_files import atomic_write, exclusive, open_tokens
 
 # A full scan of a multi-GB memmap in one .max() would page the whole file in at once.
 _SCAN_CHUNK = 1 << 22
-# Bumped whenever the cache's content for the same inputs would change (2: the sidecar of
-# token_files, KEY.bin.json, in place of KEY.json).
-_CACHE_FORMAT = 2
 # Bumped whenever a stream's content hash for the same tokens would change, so a cached digest
 # of another format is never taken for this one.
 _FINGERPRINT_FORMAT = 1
@@ -149,7 +145,7 @@ class TokenStream:
         path = os.path.join(cache_dir, f"fingerprint-{name}.json")
         try:
             os.makedirs(cache_dir, exist_ok=True)
-            with _exclusive(path + ".lock"):    # one rank per host reads the corpus, the others wait
+            with exclusive(path + ".lock"):    # one rank per host reads the corpus, the others wait
                 try:
                     with open(path) as f:
                         saved = json.load(f)
@@ -181,201 +177,6 @@ def memmap_tokens(path: str, dtype: str) -> TokenStream:
 
 
 # --- text ------------------------------------------------------------------------------------
-
-def _load_tokenizer(tokenizer: str):
-    if not os.path.isdir(tokenizer):
-        raise DataError(f"{tokenizer}: tokenizer must be 'bytes' or a directory saved with "
-                        f"save_pretrained; no such directory")
-    from transformers import AutoTokenizer   # slow import, only when a tokenizer is used
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{tokenizer}: cannot load a Hugging Face tokenizer from it: {e}") from e
-
-
-def save_tokenizer(src: str, dst: str) -> list[str]:
-    """The tokenizer of directory ``src`` written to ``dst`` by its own ``save_pretrained``;
-    returns the file names written. Copying the folder would be wrong: a tokenizer often lives
-    in the model's folder (the fine-tune recipe), and its weights and config.json must never
-    travel with it, where they could replace a trained model's."""
-    tok = _load_tokenizer(src)
-    try:
-        written = tok.save_pretrained(dst)
-    except OSError as e:
-        raise DataError(f"{dst}: cannot write the tokenizer of {src} there: {e}") from e
-    # save_pretrained may convert (a slow tokenizer's files to tokenizer.json): what was
-    # written must read back as the same vocabulary.
-    if _load_tokenizer(dst).get_vocab() != tok.get_vocab():
-        raise DataError(f"{dst}: the tokenizer written from {src} does not read back with the same vocabulary")
-    return sorted(os.path.basename(p) for p in written)
-
-
-def tokenizer_vocab_size(tokenizer: str) -> int:
-    """256 for ``"bytes"``; ``len(tokenizer)`` (added tokens included) for a directory."""
-    if tokenizer == "bytes":
-        return 256
-    return len(_load_tokenizer(tokenizer))
-
-
-def _check_text_paths(paths) -> list[str]:
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    paths = [os.fspath(p) for p in paths]
-    if not paths:
-        raise DataError("text data: no files given")
-    for p in paths:
-        if not os.path.isfile(p):
-            raise DataError(f"{p}: text file not found")
-    return paths
-
-
-def _name(paths: list[str]) -> str:
-    return paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
-
-
-def _tokenize_file(tok, path: str) -> list[int]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e})") from e
-    # No BOS/EOS from the tokenizer itself: Megatron's and nanoGPT's packing add only the
-    # end-of-document token, after each document. verbose=False: a whole file is longer
-    # than model_max_length by design.
-    return tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def _documents(paths: list[str], tok, dt: np.dtype):
-    """Each file's tokens followed by EOS (when the tokenizer has one), as ``dt`` arrays."""
-    eos = tok.eos_token_id
-    for p in paths:
-        ids = _tokenize_file(tok, p)
-        if eos is not None:
-            ids = list(ids) + [eos]
-        arr = np.asarray(ids, dtype=np.int64)
-        if len(arr) and (arr.min() < 0 or arr.max() > np.iinfo(dt).max):
-            raise DataError(f"{p}: token id {int(arr.max())} does not fit {dt.name}")
-        yield arr.astype(dt)
-
-
-def _dir_sha256(d: str) -> str:
-    h = hashlib.sha256()
-    for root, dirs, files in os.walk(d):
-        dirs.sort()
-        for f in sorted(files):
-            full = os.path.join(root, f)
-            h.update(os.path.relpath(full, d).encode() + b"\0")
-            with open(full, "rb") as fh:
-                h.update(hashlib.sha256(fh.read()).digest())
-    return h.hexdigest()
-
-
-def cache_key(paths: list[str], tokenizer: str) -> str:
-    """sha256 of the inputs: each file's absolute path, size and mtime, and the tokenizer
-    directory's content. An edited file or tokenizer gets a new key, never a stale cache."""
-    files = []
-    for p in paths:
-        st = os.stat(p)
-        files.append([os.path.abspath(p), st.st_size, st.st_mtime_ns])
-    desc = {"format": _CACHE_FORMAT, "files": files, "tokenizer": _dir_sha256(tokenizer)}
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
-
-
-def _read_cache(bin_path: str):
-    """The cached stream, or None when absent or inconsistent (then it is rewritten)."""
-    try:
-        meta = read_sidecar(bin_path)
-        if meta is None:
-            return None
-        dt = TOKEN_DTYPES[meta["dtype"]]
-        if os.path.getsize(bin_path) != meta["tokens"] * dt.itemsize:
-            return None
-        return np.memmap(bin_path, dtype=dt, mode="r")
-    except (OSError, ValueError, DataError):
-        return None
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: str):
-    """Hold an exclusive lock so that, of the ranks of one host, one tokenizes and the
-    others wait and then read its cache. Where flock is missing or does not work (some
-    network filesystems) every rank tokenizes; that stays correct because writes are atomic
-    and their content identical."""
-    try:
-        import fcntl
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except (ImportError, OSError):
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield
-    finally:
-        os.close(fd)   # releases the lock
-
-
-def _hf_dtype(tok) -> np.dtype:
-    top = max(len(tok), (tok.eos_token_id or 0) + 1)
-    return TOKEN_DTYPES["uint16" if top <= 1 << 16 else "uint32"]
-
-
-def _cached_hf_tokens(paths: list[str], tokenizer: str, cache_dir: str) -> np.ndarray:
-    try:
-        return _cached_hf_tokens_in(paths, tokenizer, cache_dir)
-    except OSError as e:
-        raise DataError(f"{cache_dir}: cannot read or write the token cache there: {e}") from e
-
-
-def _cached_hf_tokens_in(paths: list[str], tokenizer: str, cache_dir: str) -> np.ndarray:
-    os.makedirs(cache_dir, exist_ok=True)
-    key = cache_key(paths, tokenizer)
-    bin_path = os.path.join(cache_dir, key + ".bin")
-    arr = _read_cache(bin_path)
-    if arr is not None:
-        return arr
-    with _exclusive(os.path.join(cache_dir, key + ".lock")):
-        arr = _read_cache(bin_path)   # another rank may have written it meanwhile
-        if arr is not None:
-            return arr
-        tok = _load_tokenizer(tokenizer)
-        dt = _hf_dtype(tok)
-        meta = {"cache_format": _CACHE_FORMAT, "files": [os.path.abspath(p) for p in paths],
-                "tokenizer": os.path.abspath(tokenizer), "eos_token_id": tok.eos_token_id}
-        if write_tokens(bin_path, _documents(paths, tok, dt), dt.name, meta) == 0:
-            raise DataError(f"{_name(paths)}: the text files hold no tokens")
-    arr = _read_cache(bin_path)
-    if arr is None:
-        raise DataError(f"{bin_path}: token cache unreadable right after writing it")
-    return arr
-
-
-def text_tokens(paths: list[str], tokenizer: str, cache_dir: str | None = None) -> TokenStream:
-    """Plain text files as one packed stream.
-
-    ``tokenizer="bytes"``: the files' bytes joined with no separator (vocab 256: every id is a
-    byte value, none is left for an EOS), memory-mapped, so no cache is needed. Otherwise
-    ``tokenizer`` is a directory saved by ``save_pretrained``; each file is one document,
-    followed by the tokenizer's EOS when it has one. With ``cache_dir`` the tokens are written
-    once to ``cache_dir/<key>.bin`` (see ``cache_key``) and memory-mapped on later calls, from
-    any rank."""
-    paths = _check_text_paths(paths)
-    name = _name(paths)
-    if tokenizer == "bytes":
-        parts = [np.memmap(p, dtype=np.uint8, mode="r") for p in paths if os.path.getsize(p)]
-        if not parts:
-            raise DataError(f"{name}: the text files are empty")
-        return TokenStream(parts, name=name)
-    if cache_dir is not None:
-        return TokenStream(_cached_hf_tokens(paths, os.fspath(tokenizer), os.fspath(cache_dir)), name=name)
-    tok = _load_tokenizer(tokenizer)
-    parts = list(_documents(paths, tok, _hf_dtype(tok)))
-    if not any(len(p) for p in parts):
-        raise DataError(f"{name}: the text files hold no tokens")
-    return TokenStream(parts, name=name)
-
 
 def split_stream(stream: TokenStream, valid_fraction: float) -> tuple[TokenStream, TokenStream]:
     """(train, valid): the last ``valid_fraction`` of the tokens is held out; no token is
