@@ -55,8 +55,15 @@ def test_finetune_pp2_tp2_and_export(tmp_path):
         "eval": {"batches": 2},
         "log": {"plot": False, "tensorboard": False},
     })
-    r = train(cfg, 4)
+    dump = tmp_path / "dump"
+    r = train(cfg, 4, "--dump", str(dump))
     assert r.returncode == 0, r.stdout
+    # every rank's pipeline chunk: its graph and placements, and tp's collectives in its list
+    assert f"the graph dump of every rank is in {dump}/rank*" in r.stdout, r.stdout
+    for rank in range(4):       # (dp, pp, tp) = (1, 2, 2): ranks 0, 1 hold chunk 0, ranks 2, 3 chunk 1
+        chunk = dump / f"rank{rank}" / f"chunk{rank // 2}"
+        assert {"graph.py", "placements.txt", "collectives.txt"} <= set(os.listdir(chunk)), rank
+        assert "reduce_from_tp" in (chunk / "collectives.txt").read_text(), rank
     with open(out / "loss.csv", newline="") as f:
         last = list(csv.DictReader(f))[-1]
     val = float(last["val_loss"])

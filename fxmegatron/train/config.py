@@ -158,6 +158,8 @@ KEYS: List[Key] = [
     # ---- log ----
     _k("log", "tensorboard", BOOL, True, "write TensorBoard event files to OUT/tensorboard"),
     _k("log", "plot", BOOL, True, "write OUT/loss.png at the end"),
+    _k("log", "dump", STR, "", "a folder: after parallelize every rank writes its transformed graph(s), "
+       "placements, plan and collectives to DUMP/rankN (fxmegatron train --dump DIR sets it); empty: no dump"),
     _k("log", "jsonl", BOOL, False, "also write OUT/log.jsonl: loss.csv's rows as JSON lines (one object per step, "
        "floats exact), rewritten on resume as loss.csv is"),
 ]
@@ -239,7 +241,7 @@ def from_dict(raw: Dict[str, Any], where: str = "config", base_dir: str = ".",
     for name in ("train", "valid"):
         v = values["data"][name]
         values["data"][name] = [_path(base_dir, p) for p in ([v] if isinstance(v, str) else v)]
-    for section, name in (("run", "out"), ("checkpoint", "dir")):
+    for section, name in (("run", "out"), ("checkpoint", "dir"), ("log", "dump")):
         if values[section][name]:
             values[section][name] = _path(base_dir, values[section][name])
     if values["checkpoint"]["resume"] not in ("auto", "none"):

@@ -96,6 +96,10 @@ def train(prep: Prepared, env: Env, t_start: float) -> int:
         layout = dataclasses.replace(prep.layout, state_dict=src.state_dict)
         pm = fxmegatron.parallelize(src.model, mesh, example, **layout.options())
         t_parallelize = time.perf_counter() - t0
+        if cfg.log.dump:
+            pm.dump(cfg.log.dump)
+            if lead:
+                print(f"fxmegatron train: the graph dump of every rank is in {cfg.log.dump}/rank*", flush=True)
         opt = build_optimizer(pm, cfg)
         start = 0
         resume = checkpoints.resume_from(cfg.checkpoint.dir, cfg.checkpoint.resume)

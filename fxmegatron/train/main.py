@@ -17,6 +17,7 @@ workers' statuses; ``--nproc-per-node`` ends with theirs (2 or 1).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -41,6 +42,9 @@ def parse_args(argv):
                     help="print the plan (parameters and memory per rank, the schedule) and exit without training")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key (repeatable); the value is read as TOML")
+    ap.add_argument("--dump", metavar="DIR", default=None,
+                    help="every rank writes its transformed graph(s), placements, plan and collectives to "
+                         "DIR/rankN after parallelize (the config's log.dump)")
     ap.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                     help="start N processes on this host (torchrun --standalone, in this process) and end with "
                          "the job's status: 2 for bad input, 1 for a failure (torchrun: always 1)")
@@ -80,7 +84,8 @@ def main(argv=None) -> int:
     from fxmegatron.train.setup import check_devices, prepare
     env = read_env(one_process_port=ONE_PROCESS_PORT) if not args.dry_run else None
     try:
-        cfg = load_config(args.config, args.set)
+        sets = args.set + ([f"log.dump = {json.dumps(os.path.abspath(args.dump))}"] if args.dump else [])
+        cfg = load_config(args.config, sets)
         if env is not None:
             check_devices(cfg, env.local_world)
         prep = prepare(cfg, None if args.dry_run else env.world)
