@@ -388,7 +388,10 @@ def test_cli_print_and_error(capsys):
     from fxmegatron.schedules.draw import main
 
     assert main(["--schedule", "1f1b", "-p", "2", "-m", "2", "--print"]) == 0
-    out = capsys.readouterr().out
+    one = capsys.readouterr().out
+    assert main(["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--virtual-stages", "1", "--print"]) == 0
+    assert capsys.readouterr().out == one           # the other commands' names, the same schedule
+    out = one
     assert "rank 1: rF0c1<0 F0c1 B0c1 sB0c1>0" in out and "bubble_fraction=0.5000" in out
     assert main(["--schedule", "interleaved", "-p", "4", "-v", "2", "-m", "6", "--print"]) == 2
     assert "m % p == 0" in capsys.readouterr().err

@@ -84,9 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fxmegatron.schedules.draw",
                                  description="Simulate and draw a pipeline schedule.")
     ap.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
-    ap.add_argument("-p", type=int, required=True, help="pipeline ranks")
-    ap.add_argument("-v", type=int, default=1, help="model chunks per rank")
-    ap.add_argument("-m", type=int, required=True, help="microbatches")
+    # the names the other commands use (compile, verify, the trainer's layout keys); -p/-v/-m as short forms
+    ap.add_argument("--pp", "-p", dest="p", type=int, required=True, help="pipeline ranks")
+    ap.add_argument("--virtual-stages", "-v", dest="v", type=int, default=1, help="model chunks per rank")
+    ap.add_argument("--microbatches", "-m", dest="m", type=int, required=True, help="microbatches")
     ap.add_argument("--f-time", type=float, default=1.0, help="forward time of one stage")
     ap.add_argument("--b-time", type=float, default=2.0, help="backward time of one stage")
     ap.add_argument("--out", help="output .png or .svg")
