@@ -28,6 +28,12 @@ def test_bad_config_ends_every_rank_with_2_and_one_line_per_host(tmp_path, monke
     from fxmegatron.train.main import main
     assert main([str(cfg)]) == 2         # not 0: torchrun on another host would call its job a success
     assert capsys.readouterr().err == ""
+    # under torchrun it waits for torchrun to end it (local rank 0 fails alike); if nothing does, it says why
+    import fxmegatron.train.main as train_main
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setattr(train_main, "LOCAL_RANK_0_GRACE_S", 0.0)
+    assert main([str(cfg)]) == 2
+    one_line(capsys.readouterr().err, "unknown key optim.learning_rate")
 
 
 def test_more_gpus_than_the_host_has(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,7 @@ The config's keys are listed in docs/TRAINER.md (and ``fxmegatron.train.config.K
 torchrun (or ``--nproc-per-node``) the run is one process. Exit status of each process: 0 when the
 run finished (or stopped at SIGTERM with a checkpoint); 2 for bad input: a config, data or device
 that does not fit (one line on stderr from each host's first process, which ends with 2, before any
-process group work; torchrun then ends the others, which wait for it), or a model, layout or
+process group work; under torchrun the others wait for it to end them), or a model, layout or
 checkpoint that does not (one line from the watchdog, naming the rank); 1 for a failure during
 training (the watchdog's line names the rank and the step). torchrun ends with 1 whatever its
 workers' statuses; ``--nproc-per-node`` ends with theirs (2 or 1).
@@ -32,6 +32,7 @@ from fxmegatron.train.status import BAD_INPUT  # noqa: E402
 
 ONE_PROCESS_PORT = 29531
 LOCAL_RANK_0_GRACE_S = 60.0
+TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"     # set by torchrun's agent in every worker it starts
 
 
 def parse_args(argv):
@@ -66,13 +67,15 @@ def _launch(args, argv) -> int:
     return launch(args.nproc_per_node, rest)
 
 
-def _leave_the_line_to_local_rank_0(seconds: float = LOCAL_RANK_0_GRACE_S):
+def _leave_the_line_to_local_rank_0(line: str):
     """torchrun ends every worker once one has failed: had this rank returned at once, local rank 0
-    could be killed before it printed its line. Bad input is a function of the config and the world
-    size, so local rank 0 meets the same error, prints it and ends with 2, and torchrun ends this
-    process then. Only if it does not (an error of this rank alone) does this rank print after
-    ``seconds``."""
-    time.sleep(seconds)
+    could be killed before it printed its line. Bad input is a function of the config, the world
+    size and the host, so local rank 0 meets the same error, prints it and ends with 2, and torchrun
+    ends this process then. Only if it does not (an error of this rank alone) does this rank print
+    ``line`` after ``LOCAL_RANK_0_GRACE_S``. Outside torchrun (srun starting each process) nothing would end it:
+    it returns at once, silent, as before."""
+    time.sleep(LOCAL_RANK_0_GRACE_S)
+    print(f"fxmegatron train: error: {line}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -91,9 +94,10 @@ def main(argv=None) -> int:
         prep = prepare(cfg, None if args.dry_run else env.world)
     except (ConfigError, DataError) as e:
         # one process per host says why: the same line from every rank would only repeat it
-        if env is not None and env.local_rank != 0:
-            _leave_the_line_to_local_rank_0()
-        print(f"fxmegatron train: error: {e}", file=sys.stderr, flush=True)
+        if env is None or env.local_rank == 0:
+            print(f"fxmegatron train: error: {e}", file=sys.stderr, flush=True)
+        elif TORCHRUN_WORKER in os.environ:
+            _leave_the_line_to_local_rank_0(str(e))
         return BAD_INPUT
     if args.dry_run:
         from fxmegatron.train.dry_run import print_plan
