@@ -12,7 +12,7 @@ from fxmegatron.placement import Shard, take_shard
 from fxmegatron.ops.dropout import DropoutRng, keep_mask, local_layout
 from tests import models
 from tests.distributed import run_distributed
-from tests.workers import dropout_runs
+from tests.workers import dropout_runs, dropout_single
 
 MODELS = ("gpt", "gpt2", "llama")
 
@@ -73,18 +73,24 @@ LAYOUTS = {2: [(False, "none"), (False, "selective"), (False, "full"), (True, "n
            4: [(False, "none"), (True, "none"), (True, "selective"), (True, "full")]}
 
 
+@pytest.fixture(scope="module")
+def singles():
+    """The one-process runs every layout must equal, once here rather than on every rank."""
+    return dropout_single(MODELS)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
-def runs(request):
+def runs(request, singles):
     world = request.param
-    return world, run_distributed(dropout_runs, world, MODELS, LAYOUTS[world])
+    return world, singles, run_distributed(dropout_runs, world, MODELS, LAYOUTS[world], 2, 0.1, None, False)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_recompute_is_bitwise_and_results_do_not_depend_on_tp(runs, name):
-    world, per_rank = runs
+    world, singles, per_rank = runs
+    single_losses, single_grads = singles[name]
     for rank, res in enumerate(per_rank):
         r = res[name]
-        single_losses, single_grads = r["single"]
         for sp in (False, True):
             base = r.get((sp, "none"))
             if base is None:

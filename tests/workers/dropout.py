@@ -21,18 +21,32 @@ def _run_steps(pm, name, steps):
     return losses, grads
 
 
-def dropout_runs(rank, world, names, layouts, steps=2, p=0.1, extra=None):
+def dropout_single(names, steps=2, p=0.1):
+    """Losses and first-step gradients of fxmegatron on one process (tp=1) with dropout ``p``: the
+    reference every tp layout equals. A function of the model alone: the parent computes it once."""
+    import fxmegatron
+
+    out = {}
+    for name in names:
+        model = models.build(name, dropout=p)
+        out[name] = _run_steps(fxmegatron.parallelize(model, None, models.batch(name), seed=5), name, steps)
+    return out
+
+
+def dropout_runs(rank, world, names, layouts, steps=2, p=0.1, extra=None, single=True):
     """With dropout ``p``: losses and first-step gradients of fxmegatron at tp=world for each
-    (sequence_parallel, recompute) layout (with ``extra`` keywords), and of fxmegatron on one
-    process (tp=1, no extra keywords)."""
+    (sequence_parallel, recompute) layout (with ``extra`` keywords), and (``single``) of
+    fxmegatron on one process (tp=1, no extra keywords)."""
     import fxmegatron
 
     mesh = tp_mesh(world)
     out = {}
     for name in names:
         model = models.build(name, dropout=p)
-        single = fxmegatron.parallelize(copy.deepcopy(model), None, models.batch(name), seed=5)
-        out[name] = {"single": _run_steps(single, name, steps)}
+        out[name] = {}
+        if single:
+            out[name]["single"] = _run_steps(fxmegatron.parallelize(copy.deepcopy(model), None, models.batch(name),
+                                                                    seed=5), name, steps)
         for sp, rc in layouts:
             pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name), seed=5,
                                         sequence_parallel=sp, recompute=rc, **(extra or {}))
