@@ -62,8 +62,7 @@ def _count(method, calls):
     return counted
 
 
-@pytest.mark.parametrize("name,recompute", [("gpt", "none"), ("llama", "none"), ("gpt", "selective"),
-                                            ("llama", "full")])
+@pytest.mark.parametrize("name,recompute", [("gpt", "none"), ("gpt", "selective"), ("llama", "full")])
 def test_fuse_and_compile_together_equal_the_plain_graph(name, recompute, monkeypatch):
     """fuse=True with compile=True: the fused groups run their generated kernels (the interpreter
     here) as calls inside the inductor-compiled graph; the losses and gradients are those of
