@@ -72,8 +72,8 @@ def _leave_the_line_to_local_rank_0(line: str):
     could be killed before it printed its line. Bad input is a function of the config, the world
     size and the host, so local rank 0 meets the same error, prints it and ends with 2, and torchrun
     ends this process then. Only if it does not (an error of this rank alone) does this rank print
-    ``line`` after ``LOCAL_RANK_0_GRACE_S``. Outside torchrun (srun starting each process) nothing would end it:
-    it returns at once, silent, as before."""
+    ``line`` after ``LOCAL_RANK_0_GRACE_S``. Outside torchrun (srun starting each process) nothing
+    would end it: it returns at once, silent, as before."""
     time.sleep(LOCAL_RANK_0_GRACE_S)
     print(f"fxmegatron train: error: {line}", file=sys.stderr, flush=True)
 

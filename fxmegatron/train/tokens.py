@@ -2,11 +2,11 @@
 
 A stream is a flat sequence of token ids read lazily: a Megatron / nanoGPT ``.bin`` file
 (memory-mapped), or documents (text files, JSON Lines records) tokenized by bytes or by a
-Hugging Face tokenizer (``documents.py``, optionally cached as a ``.bin``). Documents are packed: concatenated, with a Hugging Face
-tokenizer's EOS after each (when it has one), so a training window may span two documents. Bytes
-have no separator: the 256 byte values are the whole vocabulary, and an EOS id of 256 would
-make it 257, which no tensor-parallel split of the bundled GPT divides (and which would make the
-model's shape depend on a separator)."""
+Hugging Face tokenizer (``documents.py``, optionally cached as a ``.bin``). Documents are
+packed: concatenated, with a Hugging Face tokenizer's EOS after each (when it has one), so a
+training window may span two documents. Bytes have no separator: the 256 byte values are the
+whole vocabulary, and an EOS id of 256 would make it 257, which no tensor-parallel split of the
+bundled GPT divides (and which would make the model's shape depend on a separator)."""
 from __future__ import annotations
 
 import bisect

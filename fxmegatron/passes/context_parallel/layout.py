@@ -45,7 +45,8 @@ def seq_at(p: Placement, dim: int) -> Placement:
     return seq(dim, inner, is_split(p))
 
 
-def seq_through_view(in_shape: Sequence[int], p: Placement, out_shape: Sequence[int], n_seq: int) -> Optional[Placement]:
+def seq_through_view(in_shape: Sequence[int], p: Placement, out_shape: Sequence[int],
+                     n_seq: int) -> Optional[Placement]:
     """The placement after a reshape of ``in_shape`` to ``out_shape`` (row-major element order
     is kept) of a value whose sequence (``n_seq`` long) ``p`` holds, or None when the reshape
     cuts the sequence axis apart (it then spans two output dims, or shares a dim in a way that
