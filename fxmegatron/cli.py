@@ -6,6 +6,7 @@
 
     fxmegatron verify --factory FILE.py:FUNCTION --tp 2,4 [--sequence-parallel both] [--recompute full]
                       [--pp 1,2 --virtual-stages 2 --microbatches 4 --dp 2] [--cp 2 [--cp-attention allgather]]
+    fxmegatron verify CONFIG.toml [--set section.key=value]   (the trainer's model, batch and layout)
     fxmegatron compile --factory FILE.py:FUNCTION --pp 2 --tp 2 --microbatches 4 --out FOLDER
     torchrun --nproc_per_node 4 -m fxmegatron.launch FOLDER --data text.txt --steps 100
 
@@ -20,7 +21,9 @@ batch is the global batch, split over dp and into microbatches) in this process 
 simulated ranks and compares the loss and every gradient with the model run in eager, on
 a fresh batch: it prints a report per layout, or names the first node that differs and
 the rule that placed it, or the pipeline chunk and parameter (exit status 1). Give it a
-tiny config of the model: it takes seconds.
+tiny config of the model: it takes seconds. With a trainer config instead of ``--factory``, it
+checks that run's model (built or loaded as the trainer does), its first batch and its
+``[layout]`` (the layout flags are then the config's, not given).
 ``schedule`` draws a pipeline schedule (``python -m fxmegatron.schedules.draw``).
 """
 from __future__ import annotations
@@ -84,10 +87,59 @@ def compile_main(argv):
     return 0
 
 
+def _with_weights(prep, batch):
+    """The trainer's model with the weights a run starts from: a model built on meta gets them
+    from a one-process ``parallelize`` (the checkpoint's, or the seeded initialisation),
+    tied parameters kept tied."""
+    import copy
+
+    import torch
+
+    import fxmegatron
+    model = prep.source.model
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return model
+    pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, seed=prep.layout.seed,
+                                state_dict=prep.source.state_dict)
+    full, made = pm.full_state_dict(), {}
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                key = f"{prefix}.{name}" if prefix else name
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(full[key].detach().clone(), requires_grad=p.requires_grad)
+                mod._parameters[name] = made[id(p)]
+    return model
+
+
+def _verify_config(path: str, overrides) -> int:
+    """``verify`` of a trainer run: its model, the batch of its first step, its layout."""
+    from fxmegatron.errors import ConfigError, DataError, FxMegatronError
+    from fxmegatron.train.config import load
+    from fxmegatron.train.setup import prepare
+    from fxmegatron.verify import verify
+    try:
+        prep = prepare(load(path, overrides), None)
+    except (ConfigError, DataError) as exc:
+        print(f"fxmegatron verify: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    batch = prep.batch(prep.train.windows(0), "cpu")
+    try:
+        print(verify(_with_weights(prep, batch), batch, layout=prep.layout), flush=True)
+    except FxMegatronError as exc:
+        print(f"FAILED {path}: {type(exc).__name__}: {exc}", flush=True)
+        return 1
+    return 0
+
+
 def verify_main(argv):
     ap = argparse.ArgumentParser(prog="fxmegatron verify",
                                  description="check parallel layouts against the model on simulated ranks")
-    ap.add_argument("--factory", required=True, help="FILE.py:FUNCTION returning (model, example_batch)")
+    ap.add_argument("config", nargs="?", default=None,
+                    help="a trainer config (TOML): verify its model, first batch and layout")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="with a config: override a key, as fxmegatron train --set")
+    ap.add_argument("--factory", default=None, help="FILE.py:FUNCTION returning (model, example_batch)")
     ap.add_argument("--tp", default="2", help="tensor-parallel sizes, comma-separated (default 2)")
     ap.add_argument("--pp", default="1", help="pipeline sizes, comma-separated (default 1)")
     ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline chunks per pipeline rank")
@@ -102,6 +154,8 @@ def verify_main(argv):
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if (args.config is None) == (args.factory is None):
+        ap.error("give a trainer config (CONFIG.toml) or --factory FILE.py:FUNCTION, one of them")
     import copy
 
     import torch
@@ -110,6 +164,8 @@ def verify_main(argv):
     from fxmegatron.verify import layout_name, verify
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
+    if args.config is not None:
+        return _verify_config(args.config, args.set)
     model, batch = load_factory(args.factory)()
     sps = {"off": [False], "on": [True], "both": [False, True]}[args.sequence_parallel]
     failed = 0

@@ -73,3 +73,27 @@ def test_cli_names_the_layouts_and_is_fast():
     for layout in ("tp=2:", "tp=2 sp:", "tp=4:", "tp=4 sp:"):
         assert f"verify {layout} exact" in out.stdout, out.stdout
     assert time.time() - t < 60
+
+
+def test_cli_verifies_a_trainer_config(capsys):
+    """``fxmegatron verify CONFIG.toml``: the run's model (built on meta, given the weights a run
+    starts from, a tied head kept tied), its first batch and its layout (pp2 x tp2 here)."""
+    from fxmegatron.cli import _with_weights, main as cli_main
+    from fxmegatron.train.config import load
+    from fxmegatron.train.setup import prepare
+    cfg, small = "examples/configs/gpt_tiny.toml", ["--set", "model.gpt.n_layer=2", "--set", "model.gpt.n_embd=32"]
+    threads = torch.get_num_threads()
+    try:
+        rc = cli_main(["verify", cfg, *small])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert rc == 0 and "verify tp=2 pp=2 m=2: exact" in out, out
+    assert cli_main(["verify", cfg, "--set", "optim.learning_rate=1"]) == 2
+    assert "fxmegatron verify: error: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["verify", cfg, "--factory", "tests/factories/gpt_small.py:build"])     # one of them
+    prep = prepare(load(cfg, ["model.gpt.n_layer=1", "model.gpt.n_embd=32", "model.gpt.tie_embeddings=true"]), None)
+    model = _with_weights(prep, prep.batch(prep.train.windows(0), "cpu"))
+    assert model.lm_head.weight is model.wte.weight and model.wte.weight.device.type == "cpu"
+    assert not any(p.device.type == "meta" for p in model.parameters())
