@@ -89,26 +89,18 @@ def compile_main(argv):
 
 def _with_weights(prep, batch):
     """The trainer's model with the weights a run starts from: a model built on meta gets them
-    from a one-process ``parallelize`` (the checkpoint's, or the seeded initialisation),
-    tied parameters kept tied."""
+    from a one-process ``parallelize`` (the checkpoint's, or the seeded initialisation), given
+    as export gives a checkpoint's (``train.export.load_into``: tied parameters stay one)."""
     import copy
 
-    import torch
-
     import fxmegatron
+    from fxmegatron.train.export import load_into
     model = prep.source.model
     if not any(p.device.type == "meta" for p in model.parameters()):
         return model
     pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, seed=prep.layout.seed,
                                 state_dict=prep.source.state_dict)
-    full, made = pm.full_state_dict(), {}
-    for prefix, mod in model.named_modules(remove_duplicate=False):
-        for name, p in list(mod._parameters.items()):
-            if p is not None and p.device.type == "meta":
-                key = f"{prefix}.{name}" if prefix else name
-                if id(p) not in made:
-                    made[id(p)] = torch.nn.Parameter(full[key].detach().clone(), requires_grad=p.requires_grad)
-                mod._parameters[name] = made[id(p)]
+    load_into(model, {k: v.detach().clone() for k, v in pm.full_state_dict().items()}, "verify")
     return model
 
 

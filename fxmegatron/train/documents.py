@@ -22,7 +22,6 @@ from fxmegatron.train.tokens import TokenStream
 # Bumped whenever the cache's content for the same inputs would change (2: the sidecar of
 # token_files, KEY.bin.json, in place of KEY.json).
 _CACHE_FORMAT = 2
-KINDS = ("text", "jsonl")
 
 
 def _load_tokenizer(tokenizer: str):
@@ -106,13 +105,12 @@ def jsonl_texts(path: str, field: str) -> Iterator[str]:
         raise DataError(f"{path}: not UTF-8 text ({e})") from e
 
 
-def texts_of(kind: str, field: str = "text") -> Callable[[str], Iterator[str]]:
-    """A file's documents: ``"text"``, the whole file; ``"jsonl"``, each record's ``field``."""
-    if kind == "text":
+def _texts(field: Optional[str]) -> Callable[[str], Iterator[str]]:
+    """A file's documents: the whole file (``field`` None: plain text), or each JSON Lines
+    record's ``field``."""
+    if field is None:
         return lambda path: iter([_read_text(path)])
-    if kind == "jsonl":
-        return lambda path: jsonl_texts(path, field)
-    raise DataError(f"document kind {kind!r}: expected one of {KINDS}")
+    return lambda path: jsonl_texts(path, field)
 
 
 def _tokenize_file(tok, path: str, texts: Callable[[str], Iterator[str]]) -> list[int]:
@@ -205,8 +203,7 @@ def _cached_hf_tokens_in(paths: list[str], tokenizer: str, cache_dir: str, field
                 "tokenizer": os.path.abspath(tokenizer), "eos_token_id": tok.eos_token_id}
         if field is not None:
             meta["jsonl_field"] = field
-        texts = texts_of("text" if field is None else "jsonl", field or "text")
-        if write_tokens(bin_path, _documents(paths, tok, dt, texts), dt.name, meta) == 0:
+        if write_tokens(bin_path, _documents(paths, tok, dt, _texts(field)), dt.name, meta) == 0:
             raise DataError(f"{_name(paths)}: the files hold no tokens")
     arr = _read_cache(bin_path)
     if arr is None:
@@ -251,8 +248,7 @@ def _hf_stream(paths: list[str], tokenizer: str, cache_dir: str | None, field: O
     if cache_dir is not None:
         return TokenStream(_cached_hf_tokens(paths, tokenizer, os.fspath(cache_dir), field), name=name)
     tok = _load_tokenizer(tokenizer)
-    texts = texts_of("text" if field is None else "jsonl", field or "text")
-    parts = list(_documents(paths, tok, _hf_dtype(tok), texts))
+    parts = list(_documents(paths, tok, _hf_dtype(tok), _texts(field)))
     if not any(len(p) for p in parts):
         raise DataError(f"{name}: the files hold no tokens")
     return TokenStream(parts, name=name)

@@ -101,7 +101,7 @@ def _check_names(model: nn.Module, state: Mapping[str, torch.Tensor], where: str
     return out
 
 
-def _load_into(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
+def load_into(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
     """Give a model built on the meta device the checkpoint's tensors as its parameters,
     tied weights staying one Parameter."""
     full = _check_names(model, state, where)
@@ -124,7 +124,7 @@ def _export_hf(described: Mapping, state, out_dir: str, where: str) -> None:
     except (ValueError, KeyError) as exc:
         raise ExportError(f"{where}: the saved config does not build: {exc}") from exc
     model = build_hf(config, _dtype(described, where))
-    _load_into(model, state, where)
+    load_into(model, state, where)
     model.save_pretrained(out_dir)
 
 
@@ -133,7 +133,7 @@ def _export_factory(described: Mapping, state, out_dir: str, where: str) -> nn.M
                         _dtype(described, where))
     model = source.model
     if hasattr(model, "save_pretrained"):
-        _load_into(model, state, where)
+        load_into(model, state, where)
         model.save_pretrained(out_dir)
     else:
         _check_names(model, state, where)

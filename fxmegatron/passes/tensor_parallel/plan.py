@@ -70,10 +70,7 @@ class TPPlan:
         return self.changes.get(self._key(change, value, dim))
 
     def sees(self, change: Tuple[str, str], value: fx.Node, consumer: fx.Node) -> bool:
-        """Whether ``consumer`` reads ``value`` through ``change`` (a slice: along any dim)."""
-        if change == SLICE:
-            return any(e.value is value and consumer in e.consumers for k, e in self.changes.items()
-                       if k[0] == SLICE)
+        """Whether ``consumer`` reads ``value`` through ``change`` (not SLICE: it is cut per dim)."""
         e = self._edge(change, value)
         return e is not None and consumer in e.consumers
 
