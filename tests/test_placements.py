@@ -125,6 +125,56 @@ def test_a_cp_rule_decides_and_the_walk_records(monkeypatch):
         plan_context_parallel(copy.deepcopy(gm), 2, cap.params.keys())
 
 
+def test_a_tp_rule_decides_and_the_walk_records(monkeypatch):
+    """tp's rules are pure as cp's: a rule reads a ``View`` that never writes the walk's state and
+    returns its ``Outcome``; the plan then holds that outcome (here the layer norm's reduce-scatter
+    under sequence parallelism and the column matmul's weight claim), and a rule that returns
+    anything else is refused."""
+    import torch
+
+    from fxmegatron.passes.tensor_parallel.plan import F, SCATTER
+    from fxmegatron.passes.tensor_parallel.rules import RULES
+    from fxmegatron.passes.tensor_parallel.view import Outcome, View
+    fam = FAMILIES["gpt2"]
+    cap = capture(fam.build(1), make_batch(fam, 0))
+    aten = torch.ops.aten
+    seen = {}
+
+    def spy(real):
+        def rule(view, node):
+            assert isinstance(view, View)
+            st = view._s
+            before = (dict(st.plan.changes), dict(st.plc), dict(st.plan.param_plc), dict(st.plan.decisions))
+            out = real(view, node)
+            assert (dict(st.plan.changes), dict(st.plc), dict(st.plan.param_plc), dict(st.plan.decisions)) == before
+            seen.setdefault(real.rule_name, {})[node] = out     # the last attempt's is kept
+            return out
+        rule.rule_name = real.rule_name
+        return rule
+    for op in (aten.layer_norm, aten.addmm):
+        monkeypatch.setitem(RULES, op, spy(RULES[op]))
+    plan = plan_tensor_parallel(copy.deepcopy(cap.gm), 2, cap.params.keys(), sequence_parallel=True)
+    norms = [(n, o) for n, o in seen["norms.layer_norm"].items() if o.placement == Shard(1)]
+    assert norms and all(isinstance(o, Outcome) for _, o in norms)
+    for node, out in norms:
+        assert plan.node_plc[node] == out.placement
+        for change, value, consumer, dim in out.changes:
+            assert plan.sees(change, value, consumer) or change == F
+        assert any(c == SCATTER for c, *_ in out.changes) or not any(
+            isinstance(plan.node_plc.get(a), Partial) for a in node.all_input_nodes)
+    columns = [(n, o) for n, o in seen["matmul"].items() if o.rule == "matmul.column"]
+    assert columns
+    for node, out in columns:
+        for pname, (plc, _) in out.claims.items():
+            assert plan.param_plc[pname] == plc
+    def forgets_to_answer(view, node):
+        view.set(node, Shard(1))
+    forgets_to_answer.rule_name = "norms.layer_norm"
+    monkeypatch.setitem(RULES, aten.layer_norm, forgets_to_answer)
+    with pytest.raises(RuntimeError, match="returned None for node .*layer_norm"):
+        plan_tensor_parallel(copy.deepcopy(cap.gm), 2, cap.params.keys(), sequence_parallel=True)
+
+
 # ---- reassembly reads the per-axis placement -------------------------------------------------
 def test_take_layout_cuts_over_the_axes_that_shard():
     import torch

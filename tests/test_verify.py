@@ -38,9 +38,9 @@ def test_fresh_batch_differs_and_keeps_masks_and_padding():
 
 def _forget_the_reduction(real_rule):
     """A planted bug: the vocab-parallel embedding's output declared whole, so no g follows it."""
-    def rule(state, node):
-        real_rule(state, node)
-        state.set(node, R)
+    def rule(view, node):
+        real_rule(view, node)
+        return view.set(node, R)
     rule.rule_name = real_rule.rule_name
     return rule
 

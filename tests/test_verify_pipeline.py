@@ -96,9 +96,9 @@ def test_a_tied_weight_without_its_pipeline_sum_is_named(monkeypatch):
 def test_a_planted_wrong_rule_is_named_with_its_chunk(monkeypatch):
     real = RULES[aten.embedding]
 
-    def rule(state, node):
-        real(state, node)
-        state.set(node, R)
+    def rule(view, node):
+        real(view, node)
+        return view.set(node, R)
     rule.rule_name = real.rule_name
     monkeypatch.setitem(RULES, aten.embedding, rule)
     model, batch = _case("llama")

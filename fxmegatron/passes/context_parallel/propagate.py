@@ -25,6 +25,7 @@ from fxmegatron.passes.context_parallel.layout import is_split, seq, seq_of
 from fxmegatron.passes.context_parallel.registry import Outcome, rule_for
 from fxmegatron.passes.redistribute import Edge
 from fxmegatron.passes.tensor_parallel.nodes import packet, val, where
+from fxmegatron.passes.walk import walk
 from fxmegatron.placement import P, Placement, R
 
 aten = torch.ops.aten
@@ -118,30 +119,31 @@ class State:
         self.plan.sums.add((a, consumer))
 
     def run(self) -> CPPlan:
-        for node in self.gm.graph.nodes:
-            self.cur = node
-            if node.op == "placeholder":
-                v = val(node)
-                known = isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == self.plan.seq
-                self.set(node, seq(1, 1, split=False) if known else R, "input")
-            elif node.op == "get_attr":
-                self.set(node, R, "parameter" if node in self.needs_grad else "constant")
-            elif node.op == "output":
-                for a in node.all_input_nodes:
-                    if self.get(a) == P:
-                        self.sum_for(a, node)
-                    elif self.split(a):
-                        self.fail(node, f"returns {a.name}, which holds this rank's chunks of the sequence "
-                                        "(context parallelism trains to a loss)")
-            elif node.op == "call_function":
-                self.visit(node, rule_for(node))
-            else:
-                if any(self.split(a) or self.get(a) == P for a in node.all_input_nodes):
-                    self.fail(node, f"is a {node.op} node")
-                self.set(node, R, "opaque")
+        walk(self.gm.graph, self)
         return self.plan
 
-    def visit(self, node: fx.Node, rule):
+    def reset(self):
+        """Context parallelism learns nothing that changes earlier decisions: one attempt."""
+
+    def decide(self, node: fx.Node) -> Outcome:
+        """The outcome of ``node``: structural nodes here, calls through the rule table."""
+        self.cur = node
+        if node.op == "placeholder":
+            v = val(node)
+            known = isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == self.plan.seq
+            return Outcome(seq(1, 1, split=False) if known else R, "input")
+        if node.op == "get_attr":
+            return Outcome(R, "parameter" if node in self.needs_grad else "constant")
+        if node.op == "output":
+            for a in node.all_input_nodes:
+                if self.split(a):
+                    self.fail(node, f"returns {a.name}, which holds this rank's chunks of the sequence "
+                                    "(context parallelism trains to a loss)")
+            return Outcome(None, "", sums=tuple(a for a in node.all_input_nodes if self.get(a) == P))
+        if node.op != "call_function":
+            if any(self.split(a) or self.get(a) == P for a in node.all_input_nodes):
+                self.fail(node, f"is a {node.op} node")
+            return Outcome(R, "opaque")
         ins = node.all_input_nodes
         split = any(self.split(a) for a in ins)
         partial = any(self.get(a) == P for a in ins)
@@ -152,11 +154,12 @@ class State:
                 for a in whole_seq:
                     self.take(a, node, self.get(a))
                 split = True
-        self.record(node, rule(self.view, node, split))
+        return rule_for(node)(self.view, node, split)
 
     def record(self, node: fx.Node, out: Outcome):
-        """The walk, not the rule, records what a rule decided."""
-        self.set(node, out.placement, out.rule)
+        """The walk, not the rule, records what a rule decided (the output node has no placement)."""
+        if out.placement is not None:
+            self.set(node, out.placement, out.rule)
         for a, s in out.takes:
             self.take(a, node, s)
         for a in out.sums:

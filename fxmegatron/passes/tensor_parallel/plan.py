@@ -1,5 +1,4 @@
-"""What planning produces (``TPPlan``, one ``Decision`` per matmul, embedding and loss),
-and the signal a rule raises when it learnt a constraint (``Restart``)."""
+"""What planning produces (``TPPlan``, one ``Decision`` per matmul, embedding and loss)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,10 +8,6 @@ import torch.fx as fx
 
 from fxmegatron.passes.redistribute import Edge
 from fxmegatron.placement import Placement
-
-
-class Restart(Exception):
-    """Propagation learnt a constraint (demotion, forced replica, blocks); start over."""
 
 
 @dataclass
@@ -73,6 +68,10 @@ class TPPlan:
         """Whether ``consumer`` reads ``value`` through ``change`` (not SLICE: it is cut per dim)."""
         e = self._edge(change, value)
         return e is not None and consumer in e.consumers
+
+    def has(self, change: Tuple[str, str], value: fx.Node) -> bool:
+        """Whether ``value`` goes through ``change`` anywhere (not SLICE)."""
+        return self._edge(change, value) is not None
 
     def dim_of(self, change: Tuple[str, str], value: fx.Node) -> Optional[int]:
         e = self._edge(change, value)

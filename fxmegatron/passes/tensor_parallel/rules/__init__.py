@@ -3,10 +3,13 @@
 the op's registered rule, else the pointwise rule for an op tagged pointwise, else
 ``opaque.no_rule`` (everything replicated, with the reason).
 
-Each rule is ``rule(state, node)``: it reads its inputs' placements (``state.get``),
-places the node (``state.set``) and, where its precondition fails, replicates with the
-reason recorded, demotes the split's origins (``state.demote``, which restarts
-propagation) or raises a ``ShardingError`` naming the node.
+Each rule is ``rule(view, node) -> Outcome`` (``view.py``): it reads its inputs' placements
+through the view (``view.get``), which never writes the walk's state, and answers with the
+outcome the view collects: the node's placement (``view.set``, which returns it), the
+changes of placement at its inputs, the parameters it claims. Where its precondition fails
+it replicates with the reason recorded, demotes the split's origins (``view.demote``: the
+outcome then holds what was learnt and the walk restarts) or raises a ``ShardingError``
+naming the node.
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def _f_edge(a):
 
 
 @register(aten.scaled_dot_product_attention)
-def sdpa(state, node):
+def sdpa(view, node):
     """Attention per head: precondition for a split, q split along the heads dim (1)
     without fused blocks. Each of k, v is then either split the same way, or whole: whole
     k/v (fewer kv heads than tp, HF's repeat_kv or ``enable_gqa``) are sliced on each rank
@@ -67,55 +67,54 @@ def sdpa(state, node):
     q, k, v = node.args[:3]
     mask = arg(node, 3, "attn_mask")
     for a in (q, k, v):
-        if isinstance(state.get(a), Partial) or state.get(a) is None:   # a partial sum, a parameter
-            state.replicate(a, node)
-    ps = [state.get(a) for a in (q, k, v)]
-    origins = set().union(*(state.orig(a) for a in (q, k, v)))
+        if isinstance(view.get(a), Partial) or view.get(a) is None:   # a partial sum, a parameter
+            view.replicate(a, node)
+    ps = [view.get(a) for a in (q, k, v)]
+    origins = set().union(*(view.orig(a) for a in (q, k, v)))
     if all(isinstance(p, Replicate) for p in ps):
         if isinstance(mask, fx.Node):
-            state.replicate(mask, node)
-        return state.set(node, R)
+            view.replicate(mask, node)
+        return view.set(node, R)
     if not _by_heads(ps[0]):
-        state.demote(origins, node, f"needs q split by heads (dim 1), got {[str(p) for p in ps]}")
+        view.demote(origins, node, f"needs q split by heads (dim 1), got {[str(p) for p in ps]}")
     for a, p in zip((k, v), ps[1:]):
         if isinstance(p, Shard) and not _by_heads(p):
-            state.demote(state.orig(a), node, f"needs its key/value {a.name} split by heads (dim 1) or whole, "
+            view.demote(view.orig(a), node, f"needs its key/value {a.name} split by heads (dim 1) or whole, "
                                               f"got {p}")
     for i, (a, p) in enumerate(zip((k, v), ps[1:]), 1):
         if not isinstance(p, Replicate):
             continue
         n_q, n_kv = val(q).shape[1], val(a).shape[1]
-        spans = kv_spans(n_q, n_kv, state.tp)
+        spans = kv_spans(n_q, n_kv, view.tp)
         if spans is None:
-            state.demote(origins, node, f"has {n_q} query heads and {n_kv} kv heads: over tp={state.tp} ranks "
+            view.demote(origins, node, f"has {n_q} query heads and {n_kv} kv heads: over tp={view.tp} ranks "
                                         "the kv heads each rank's query heads use are uneven")
-        grad = a in state.needs_grad
+        grad = a in view.needs_grad
         # whole as computed (not reduced or gathered for this attention): f may go before its repeat
-        upstream = _f_edge(a) if grad and isinstance(state.base(a), Replicate) else None
+        upstream = _f_edge(a) if grad and isinstance(view.base(a), Replicate) else None
         if upstream is not None:
-            state.plan.add(F, upstream[0], upstream[1])
-        state.plan.head_slices[(node, i)] = (1, spans, grad and upstream is None)
+            view.add(F, upstream[0], upstream[1])
+        view.slice_heads(i, (1, spans, grad and upstream is None))
     if isinstance(mask, fx.Node):
-        mp = state.get(mask)
+        mp = view.get(mask)
         mv = val(mask)
         md = 1 - (4 - mv.ndim)
         if isinstance(mp, Shard):
             if norm(mp.dim, mv.ndim) != md:
-                state.demote(origins | state.orig(mask), node, "has a mask split off the heads dim")
+                view.demote(origins | view.orig(mask), node, "has a mask split off the heads dim")
         elif md >= 0 and mv.shape[md] != 1:
-            if mask in state.needs_grad:
-                state.demote(origins, node, "has a per-head mask that needs gradients")
-            state.replicate(mask, node)
-            state.plan.add(SLICE, mask, node, md)
+            if mask in view.needs_grad:
+                view.demote(origins, node, "has a per-head mask that needs gradients")
+            view.replicate(mask, node)
+            view.add(SLICE, mask, node, md)
         else:
-            state.replicate(mask, node)
-    state.set(node, Shard(1), origins)
+            view.replicate(mask, node)
+    return view.set(node, Shard(1), origins)
 
 
 @register("fxmegatron::cp_attention")
-def cp_attention(state, node):
+def cp_attention(view, node):
     """Context parallelism's attention (q, k, v and flags, no mask): split by heads as ``sdpa``;
     its (out, lse) are both split alike (lse is [B, heads, S])."""
-    sdpa(state, node)
-    p = state.plc[node]
-    state.set(node, (p, p), state.origin.get(node, frozenset()))
+    out = sdpa(view, node)
+    return view.set(node, (out.placement, out.placement), out.origins)

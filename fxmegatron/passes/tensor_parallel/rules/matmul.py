@@ -17,7 +17,7 @@ aten = torch.ops.aten
 
 
 @register(aten.linear, aten.addmm, aten.mm, aten.matmul, aten.bmm)
-def matmul(state, node):
+def matmul(view, node):
     """``linear(x, W, b)``, ``addmm(b, x, W)``, ``mm(x, W)``, ``matmul(x, W)``: with a 2-D
     parameter ``W`` (a transpose of it included: the dim map says which dim is which)
     this is a linear (see ``linear``); otherwise a matmul of activations
@@ -31,17 +31,17 @@ def matmul(state, node):
     elif pk is aten.addmm:
         b, x, w = args[0], args[1], args[2]
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-            return replicate_all(state, node, "is an addmm with alpha/beta")
+            return replicate_all(view, node, "is an addmm with alpha/beta")
         w_out, w_in = 1, 0
     else:
         x, w, b = args[0], args[1], None
         w_out, w_in = 1, 0
-    if w not in state.free or val(w) is None or val(w).ndim != 2:
-        return activation_matmul(state, node, x, w)
-    linear(state, node, x, w, b, w_out, w_in, val(x).ndim - 1, val(node).ndim - 1)
+    if w not in view.free or val(w) is None or val(w).ndim != 2:
+        return activation_matmul(view, node, x, w)
+    return linear(view, node, x, w, b, w_out, w_in, val(x).ndim - 1, val(node).ndim - 1)
 
 
-def linear(state, node, x, w, b, w_out, w_in, x_in, out_dim):
+def linear(view, node, x, w, b, w_out, w_in, x_in, out_dim):
     """``x`` times a 2-D parameter ``w`` whose dim ``w_in`` is contracted with dim ``x_in``
     of ``x`` and whose dim ``w_out`` becomes dim ``out_dim`` of the output.
 
@@ -56,56 +56,55 @@ def linear(state, node, x, w, b, w_out, w_in, x_in, out_dim):
     ``x`` split along another dim demotes the matmuls it came from; a sequence shard is
     gathered; a partial ``x`` is reduced (g).
     """
-    if isinstance(state.get(x), Partial):
-        state.replicate(x, node)
-    if isinstance(state.get(x), Shard) and SEQ in state.orig(x):
-        gather(state, x, node, into_column=True)
-    px = state.get(x)
-    gathered_here = state.plan.sees(GATHER_INTO_COLUMN, x, node)
-    pname = state.free[w][0]
+    if isinstance(view.get(x), Partial):
+        view.replicate(x, node)
+    if isinstance(view.get(x), Shard) and SEQ in view.orig(x):
+        gather(view, x, node, into_column=True)
+    px = view.get(x)
+    gathered_here = view.sees(GATHER_INTO_COLUMN, x, node)
+    pname = view.free[w][0]
     at = f"{where(node)} (weight {pname})"
     if isinstance(px, Shard) and norm(px.dim, val(x).ndim) == x_in:
-        if pname in state.forced_rep:
-            state.demote(state.orig(x), node, f"is replicated: {state.forced_rep[pname]}")
-        state.claim(w, Shard(w_in, px.blocks), at)
+        if pname in view.forced_rep:
+            view.demote(view.orig(x), node, f"is replicated: {view.forced_rep[pname]}")
+        view.claim(w, Shard(w_in, px.blocks), at)
         if b is not None:   # added after the reduction: see pending_bias
-            state.claim(b, R, at)
-            state.plan.row_bias.add(node)
-            state.pending_bias[node] = b
-        state.plan.decisions[node] = Decision("row")
-        return state.set(node, Partial(), rule="matmul.row")
+            view.claim(b, R, at)
+            view.defer_bias(b)
+        view.decide(Decision("row"))
+        return view.set(node, Partial(), rule="matmul.row")
     if isinstance(px, Shard):
-        state.demote(state.orig(x), node, f"contracts dim {x_in}, not the split dim {px.dim}")
-    reason = state.demoted.get(node) or state.forced_rep.get(pname)
-    blocks = state.blocks_req.get(node)
+        view.demote(view.orig(x), node, f"contracts dim {x_in}, not the split dim {px.dim}")
+    reason = view.demoted.get(node) or view.forced_rep.get(pname)
+    blocks = view.blocks_req.get(node)
     if reason is None:
         n_out = val(w).shape[w_out]
         for size in (blocks or (n_out,)):
-            if size % state.tp:
-                reason = (f"tp={state.tp} does not divide the {size} output features of {at}"
+            if size % view.tp:
+                reason = (f"tp={view.tp} does not divide the {size} output features of {at}"
                           f"{' (one of its fused blocks ' + str(list(blocks)) + ')' if blocks else ''}: "
                           "a column-parallel matmul splits its output features evenly over tp ranks")
                 break
     if reason is None:
-        state.claim(w, Shard(w_out, blocks), at)
+        view.claim(w, Shard(w_out, blocks), at)
         if b is not None:
-            state.claim(b, Shard(0, blocks), at)
-        if x in state.needs_grad and not gathered_here:
-            state.plan.add(F, x, node)
-        state.plan.decisions[node] = Decision("column")
-        return state.set(node, Shard(out_dim, blocks), {node}, rule="matmul.column")
+            view.claim(b, Shard(0, blocks), at)
+        if x in view.needs_grad and not gathered_here:
+            view.add(F, x, node)
+        view.decide(Decision("column"))
+        return view.set(node, Shard(out_dim, blocks), {node}, rule="matmul.column")
     if gathered_here:   # not column after all: its input gradient is whole
-        state.plan.move(GATHER_INTO_COLUMN, GATHER, x, node)
-    state.claim(w, R, at)
+        view.move(GATHER_INTO_COLUMN, GATHER, x, node)
+    view.claim(w, R, at)
     if b is not None:
-        state.claim(b, R, at)
-    state.plan.decisions[node] = Decision("replicated", reason)
-    state.set(node, R, rule="matmul.replicated")
+        view.claim(b, R, at)
+    view.decide(Decision("replicated", reason))
+    return view.set(node, R, rule="matmul.replicated")
 
 
 
 @register(aten._grouped_mm, "transformers::grouped_mm_fallback")
-def grouped_mm(state, node):
+def grouped_mm(view, node):
     """The experts of a mixture: ``grouped_mm(x [S, in], W [E, in, out], offs)`` multiplies
     the rows of ``x`` routed to expert e (rows offs[e-1]..offs[e]) by ``W[e]``. Each row
     meets one expert's matrix, so row by row it is a linear, and ``linear``'s column and
@@ -116,34 +115,34 @@ def grouped_mm(state, node):
     or batched) replicated with the reason."""
     x, w = node.args[0], node.args[1]
     offs = arg(node, 2, "offs")
-    if (val(x) is None or val(x).ndim != 2 or w not in state.free or val(w) is None or val(w).ndim != 3
+    if (val(x) is None or val(x).ndim != 2 or w not in view.free or val(w) is None or val(w).ndim != 3
             or not isinstance(offs, fx.Node) or arg(node, 3, "bias") is not None
             or arg(node, 4, "out_dtype") is not None):
         why = ("is a grouped matmul other than the rows of a 2-D input by the 3-D expert weight parameter "
                "they are routed to, by offsets, without bias")
-        state.plan.decisions[node] = Decision("replicated", why)
-        return replicate_all(state, node, why)
-    state.replicate(offs, node)
-    linear(state, node, x, w, None, 2, 1, 1, 1)
+        view.decide(Decision("replicated", why))
+        return replicate_all(view, node, why)
+    view.replicate(offs, node)
+    return linear(view, node, x, w, None, 2, 1, 1, 1)
 
-def activation_matmul(state, node, x, w):
+def activation_matmul(view, node, x, w):
     """A matmul of two activations (attention scores, ...). Precondition: both whole, or
     both split along the same batch dim (heads), not a contracted or output row/column
     dim; otherwise the splits' matmuls are demoted."""
     for a in (x, w):
-        if isinstance(state.get(a), Partial) or state.get(a) is None:
-            state.replicate(a, node)
-    px, pw = state.get(x), state.get(w)
+        if isinstance(view.get(a), Partial) or view.get(a) is None:
+            view.replicate(a, node)
+    px, pw = view.get(x), view.get(w)
     nd = val(node).ndim
     if isinstance(px, Replicate) and isinstance(pw, Replicate):
-        return state.set(node, R, rule="matmul.activations")
-    origins = state.orig(x) | state.orig(w)
+        return view.set(node, R, rule="matmul.activations")
+    origins = view.orig(x) | view.orig(w)
     if isinstance(px, Shard) and isinstance(pw, Shard):
         dx = px.dim + nd - val(x).ndim
         dw = pw.dim + nd - val(w).ndim
         if dx == dw and dx < nd - 2 and px.blocks is None and pw.blocks is None:
-            return state.set(node, Shard(dx), origins, rule="matmul.activations")
-    state.demote(origins, node, "is a matmul of activations not split along the same batch dim")
+            return view.set(node, Shard(dx), origins, rule="matmul.activations")
+    view.demote(origins, node, "is a matmul of activations not split along the same batch dim")
 
 
 def _einsum_spec(node):
@@ -160,7 +159,7 @@ def _einsum_spec(node):
 
 
 @register(aten.einsum)
-def einsum(state, node):
+def einsum(view, node):
     """``einsum(eq, [x, W])`` with a 2-D parameter ``W`` that has one letter only in the
     output (its output features) and one only in ``x`` (contracted), every other letter
     of ``x`` kept: a linear (``linear``: column or row). Otherwise an einsum of
@@ -170,37 +169,37 @@ def einsum(state, node):
     implicit output or a repeated letter run replicated."""
     spec = _einsum_spec(node)
     if spec is None:
-        return replicate_all(state, node, "is an einsum with '...', an implicit output or a diagonal")
+        return replicate_all(view, node, "is an einsum with '...', an implicit output or a diagonal")
     specs, out = spec
     ops = list(node.args[1])
     if len(ops) == 2:
         for wi in (0, 1):
             w, x = ops[wi], ops[1 - wi]
             ws, xs = specs[wi], specs[1 - wi]
-            if w not in state.free or x in state.free or val(w) is None or val(w).ndim != 2:
+            if w not in view.free or x in view.free or val(w) is None or val(w).ndim != 2:
                 continue
             o = [c for c in ws if c in out and c not in xs]
             i = [c for c in ws if c in xs and c not in out]
             if len(o) == 1 and len(i) == 1 and set(out) == (set(xs) - set(i)) | set(o):
-                return linear(state, node, x, w, None, ws.index(o[0]), ws.index(i[0]), xs.index(i[0]),
+                return linear(view, node, x, w, None, ws.index(o[0]), ws.index(i[0]), xs.index(i[0]),
                               out.index(o[0]))
-    _activation_einsum(state, node, ops, specs, out)
+    return _activation_einsum(view, node, ops, specs, out)
 
 
-def _activation_einsum(state, node, ops, specs, out):
+def _activation_einsum(view, node, ops, specs, out):
     for a in ops:
-        if isinstance(state.get(a), Partial) or state.get(a) is None:
-            state.replicate(a, node)
-    ps = [state.get(a) for a in ops]
+        if isinstance(view.get(a), Partial) or view.get(a) is None:
+            view.replicate(a, node)
+    ps = [view.get(a) for a in ops]
     if all(isinstance(p, Replicate) for p in ps):
-        return state.set(node, R, rule="matmul.einsum")
-    origins = set().union(*(state.orig(a) for a in ops))
+        return view.set(node, R, rule="matmul.einsum")
+    origins = set().union(*(view.orig(a) for a in ops))
     letters = {(s[norm(p.dim, len(s))], p.blocks) for s, p in zip(specs, ps) if isinstance(p, Shard)}
     if len(letters) == 1:
         (c, blocks), = letters
         if blocks is None and all(isinstance(p, Shard) for s, p in zip(specs, ps) if c in s):
             plc = Shard(out.index(c)) if c in out else Partial()
-            return state.set(node, plc, origins, rule="matmul.einsum")
-    state.demote(origins, node, "is an einsum of activations not split along one letter of every operand "
+            return view.set(node, plc, origins, rule="matmul.einsum")
+    view.demote(origins, node, "is an einsum of activations not split along one letter of every operand "
                                 "that has it")
 

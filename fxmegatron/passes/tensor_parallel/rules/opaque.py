@@ -12,32 +12,32 @@ from fxmegatron.placement import R, Shard
 aten = torch.ops.aten
 
 
-def replicate_all(state, node, why=""):
+def replicate_all(view, node, why=""):
     """Run ``node`` on whole inputs: partial sums are reduced (g), sequence shards gathered,
     and a split input demotes the column matmuls it came from, with ``why``. The rule is
     recorded as ``opaque: <why>`` when ``why`` is given, else as the calling rule."""
     for a in node.all_input_nodes:
-        if isinstance(state.get(a), Shard):
-            state.demote(state.orig(a), node, why)
-        state.replicate(a, node)
+        if isinstance(view.get(a), Shard):
+            view.demote(view.orig(a), node, why)
+        view.replicate(a, node)
     v = val(node)
-    state.set(node, tuple(R for _ in v) if isinstance(v, (tuple, list)) else R,
+    return view.set(node, tuple(R for _ in v) if isinstance(v, (tuple, list)) else R,
               rule=f"opaque: {why}" if why else None)
 
 
-def no_rule(state, node):
+def no_rule(view, node):
     """Any op the table does not know. Precondition: none; it always runs replicated, and a
     split reaching it is demoted (or gathered) with the reason "has no sharding rule"."""
-    replicate_all(state, node, f"has no sharding rule for {_op_name(packet(node))}")
+    return replicate_all(view, node, f"has no sharding rule for {_op_name(packet(node))}")
 
 
 no_rule.rule_name = "opaque"
 
 
 @register(aten._assert_tensor_metadata, name="metadata")
-def assert_metadata(state, node):
+def assert_metadata(view, node):
     """A check on its input's metadata, no output: nothing to place."""
-    state.set(node, R)
+    return view.set(node, R)
 
 
 def _op_name(op) -> str:

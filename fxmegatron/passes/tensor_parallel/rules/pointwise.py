@@ -22,7 +22,7 @@ _KEEP_PARTIAL = {aten.alias, aten.clone, aten.contiguous}
 
 
 @register(*_ELEMENTWISE_EXTRA)
-def pointwise(state, node):
+def pointwise(view, node):
     """Carries one split dim through, broadcasting as ATen does.
 
     Precondition: every split input is split along the same (right-aligned) dim with the
@@ -38,55 +38,55 @@ def pointwise(state, node):
     pk = packet(node)
     out = val(node)
     if not isinstance(out, torch.Tensor):
-        return replicate_all(state, node, "returns a non-tensor")
+        return replicate_all(view, node, "returns a non-tensor")
     nd = out.ndim
-    tensors = [a for a in node.all_input_nodes if is_tensor_node(a) or a in state.free]
-    partials = [a for a in tensors if isinstance(state.get(a), Partial)]
-    split = [a for a, _ in state.shard_inputs(node) if SEQ not in state.orig(a)]
-    if partials and not state.shard_inputs(node) and pk in _KEEP_PARTIAL and len(partials) == 1:
-        state.carry_bias(partials[0], node)
-        return state.set(node, Partial())
+    tensors = [a for a in node.all_input_nodes if is_tensor_node(a) or a in view.free]
+    partials = [a for a in tensors if isinstance(view.get(a), Partial)]
+    split = [a for a, _ in view.shard_inputs(node) if SEQ not in view.orig(a)]
+    if partials and not view.shard_inputs(node) and pk in _KEEP_PARTIAL and len(partials) == 1:
+        view.carry_bias(partials[0], node)
+        return view.set(node, Partial())
     for a in partials:
-        state.replicate(a, node) if split else reduce_partial(state, a, node)
-    shards = state.shard_inputs(node)
+        view.replicate(a, node) if split else reduce_partial(view, a, node)
+    shards = view.shard_inputs(node)
     if not shards:
         for a in tensors:
-            if state.get(a) is None:
-                state.claim(a, R, where(node))
-        return state.set(node, R)
-    origins = set().union(*(state.orig(a) for a, _ in shards))
+            if view.get(a) is None:
+                view.claim(a, R, where(node))
+        return view.set(node, R)
+    origins = set().union(*(view.orig(a) for a, _ in shards))
     dims = {(p.dim + nd - val(a).ndim, p.blocks) for a, p in shards}
     if len(dims) > 1:
-        state.demote(origins, node, f"combines inputs split along different dims {sorted(map(str, dims))}")
+        view.demote(origins, node, f"combines inputs split along different dims {sorted(map(str, dims))}")
     d, blocks = dims.pop()
     seq = SEQ in origins
     for a in tensors:
-        if isinstance(state.get(a), Shard):
+        if isinstance(view.get(a), Shard):
             continue
         ad = d - (nd - val(a).ndim)
         if ad < 0 or val(a).shape[ad] == 1:
             # broadcast along the split dim: each rank's gradient is a partial sum -> f
-            if a in state.free:
-                state.claim(a, R, where(node))
-            if a in state.free or a in state.needs_grad:
-                state.plan.add(F, a, node)
+            if a in view.free:
+                view.claim(a, R, where(node))
+            if a in view.free or a in view.needs_grad:
+                view.add(F, a, node)
             continue
-        if a in state.free and not seq:
-            if not state.claim(a, Shard(ad, blocks), where(node)):
-                state.demote(origins, node, f"uses parameter {state.free[a][0]} that must stay replicated")
-        elif a not in state.needs_grad and a not in state.free and blocks is None:
-            state.plan.add(SLICE, a, node, ad)
+        if a in view.free and not seq:
+            if not view.claim(a, Shard(ad, blocks), where(node)):
+                view.demote(origins, node, f"uses parameter {view.free[a][0]} that must stay replicated")
+        elif a not in view.needs_grad and a not in view.free and blocks is None:
+            view.add(SLICE, a, node, ad)
         elif seq:
-            if a in state.free:
-                state.claim(a, R, where(node))
-            state.plan.add(SPLIT, a, node, ad)
+            if a in view.free:
+                view.claim(a, R, where(node))
+            view.add(SPLIT, a, node, ad)
         else:
-            state.demote(origins, node, f"combines it with the replicated activation {a.name}")
-    state.set(node, Shard(d, blocks), origins)
+            view.demote(origins, node, f"combines it with the replicated activation {a.name}")
+    return view.set(node, Shard(d, blocks), origins)
 
 
 @register(aten.to, aten._to_copy)
-def cast(state, node):
+def cast(view, node):
     """A dtype or device cast. Of a parameter no rule has claimed yet (a norm weight cast
     to the activations' dtype, as Cohere's per-head q/k LayerNorm does): the cast stays
     free, with the parameter's dim map, so that its consumer claims the parameter's layout
@@ -94,8 +94,7 @@ def cast(state, node):
     shard of the cast). Precondition: the input is such an unclaimed parameter and the
     output has its shape; otherwise an ordinary elementwise op (``pointwise``)."""
     x = node.args[0] if node.args else node.kwargs.get("self")
-    if (isinstance(x, fx.Node) and x in state.free and state.get(x) is None
+    if (isinstance(x, fx.Node) and x in view.free and view.get(x) is None
             and isinstance(val(node), torch.Tensor) and val(node).shape == val(x).shape):
-        state.free[node] = state.free[x]
-        return
-    pointwise(state, node)
+        return view.alias(*view.free[x])
+    return pointwise(view, node)

@@ -8,7 +8,7 @@ RULES: Dict[object, Callable] = {}
 
 
 def register(*packets, name: str = ""):
-    """Register ``rule(state, node)`` for the ops ``packets`` (``aten.mm``, ...). Its name,
+    """Register ``rule(view, node) -> Outcome`` for the ops ``packets`` (``aten.mm``, ...). Its name,
     recorded in ``TPPlan.rules`` for the nodes it places unless it names a more precise
     outcome, is ``name`` or ``<module>.<function>`` (``views.view``)."""
     def deco(fn):

@@ -10,7 +10,6 @@ import torch.fx as fx
 from fxmegatron.capture import module_path
 from fxmegatron.errors import ShardingError
 from fxmegatron.passes.tensor_parallel.nodes import norm, packet, val, where
-from fxmegatron.passes.tensor_parallel.plan import Restart
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
 from fxmegatron.passes.tensor_parallel.rules.registry import register
 from fxmegatron.passes.tensor_parallel.sequence import SEQ, gather
@@ -40,24 +39,24 @@ def view_groups(ins, outs):
 
 
 @register(operator.getitem)
-def getitem(state, node):
+def getitem(view, node):
     """An element of a tuple result (split, native_dropout, ...): that element's placement."""
-    src = state.get(node.args[0])
-    state.set(node, src[node.args[1]] if isinstance(src, tuple) else R, state.orig(node.args[0]))
+    src = view.get(node.args[0])
+    return view.set(node, src[node.args[1]] if isinstance(src, tuple) else R, view.orig(node.args[0]))
 
 
-def _unsplit_input(state, node, x, p):
+def _unsplit_input(view, node, x, p):
     """A reshape of a value that is not split: unknown -> replicated, a partial sum stays
     partial (with its deferred bias where the last dim is kept), anything else carried."""
     if p is None:
-        return replicate_all(state, node, "")
+        return replicate_all(view, node, "")
     if isinstance(p, Partial):
-        return state.set(node, p if state.carry_bias(x, node) else R)
-    return state.set(node, p)
+        return view.set(node, p if view.carry_bias(x, node) else R)
+    return view.set(node, p)
 
 
 @register(aten.view, aten.reshape, aten._unsafe_view)
-def view(state, node):
+def view(view, node):
     """Reshapes keeping the split on the dim it lands in (e.g. [b, s, h*d] -> [b, s, h, d]:
     the heads dim). Precondition: the split dim is the first non-unit dim of its group of
     merged/split dims, tp divides the size it lands in, and it is not made of fused blocks
@@ -69,51 +68,51 @@ def view(state, node):
     heads) raises a ShardingError naming the matmuls that produced it. A partial sum
     stays partial (with its deferred bias)."""
     x = node.args[0]
-    p = state.get(x)
+    p = view.get(x)
     if not isinstance(p, Shard):
-        return _unsplit_input(state, node, x, p)
+        return _unsplit_input(view, node, x, p)
     ins = list(val(x).shape)
     outs = list(val(node).shape)
     d = norm(p.dim, len(ins))
-    origins = state.orig(x)
+    origins = view.orig(x)
     for gi, gj in view_groups(ins, outs):
         if d not in gi:
             continue
         gi_big = [i for i in gi if ins[i] != 1]
         gj_big = [j for j in gj if outs[j] != 1]
         if SEQ in origins and (len(gi_big) > 1 or len(gj_big) > 1):
-            gather(state, x, node)      # e.g. [b, s, h] -> [b*s, h]: gather the sequence first
-            return state.set(node, R)
+            gather(view, x, node)      # e.g. [b, s, h] -> [b*s, h]: gather the sequence first
+            return view.set(node, R)
         if not gj_big or gi_big[0] != d:
-            state.demote(origins, node, f"merges split dim {d} of {ins} into a later position")
+            view.demote(origins, node, f"merges split dim {d} of {ins} into a later position")
         e = gj_big[0]
         if len(gj_big) > 1 or len(gi_big) > 1:
             if p.blocks is not None:
-                state.demote(origins, node, "reshapes a dim made of fused blocks")
-        if outs[e] % state.tp and state.tp % outs[e] == 0:
+                view.demote(origins, node, "reshapes a dim made of fused blocks")
+        if outs[e] % view.tp and view.tp % outs[e] == 0:
             # fewer heads than ranks (kv heads): computed whole on every rank, and attention
             # gives each rank the ones its query heads use (attention.py)
-            state.demote(origins, node, f"views its {outs[e]} heads (dim {e} of {ins} -> {outs}): fewer "
-                                        f"than tp={state.tp}, so they are computed whole on every rank")
-        if outs[e] % state.tp:
+            view.demote(origins, node, f"views its {outs[e]} heads (dim {e} of {ins} -> {outs}): fewer "
+                                        f"than tp={view.tp}, so they are computed whole on every rank")
+        if outs[e] % view.tp:
             owner = ", ".join(sorted(module_path(m) or m.name for m in origins))
             raise ShardingError(
-                f"tp={state.tp} does not divide dim {e} (size {outs[e]}) of the view {ins} -> {outs} "
+                f"tp={view.tp} does not divide dim {e} (size {outs[e]}) of the view {ins} -> {outs} "
                 f"at {where(node)}; that dim carries the split features of {owner} "
                 "(for attention these are the heads or kv heads)")
         sizes = list(node.args[1])
         if isinstance(sizes[e], fx.Node):
             sizes[e] = ("floordiv", sizes[e])
         elif sizes[e] != -1:
-            sizes[e] = sizes[e] // state.tp
-        state.plan.arg_rewrites[node] = (x, sizes) + tuple(node.args[2:])
-        return state.set(node, Shard(e, p.blocks), origins)
+            sizes[e] = sizes[e] // view.tp
+        view.rewrite_args((x, sizes) + tuple(node.args[2:]))
+        return view.set(node, Shard(e, p.blocks), origins)
     raise RuntimeError(f"internal: view dims not matched at {where(node)}")
 
 
 
 @register(aten.flatten)
-def flatten(state, node):
+def flatten(view, node):
     """``flatten(x, start, end)`` merges dims start..end into one; it has no sizes to
     rewrite. A split dim outside them moves left with the merge. Inside them, the
     precondition is ``view``'s: the split dim is the first non-unit dim merged and is
@@ -122,30 +121,30 @@ def flatten(state, node):
     another split demotes its matmuls. A partial sum stays partial (with its deferred
     bias while the last dim is kept). Overloads other than ``using_ints`` run replicated."""
     if node.target is not aten.flatten.using_ints:
-        return replicate_all(state, node, f"is {node.target}, not flatten.using_ints")
+        return replicate_all(view, node, f"is {node.target}, not flatten.using_ints")
     x = node.args[0]
-    p = state.get(x)
+    p = view.get(x)
     if not isinstance(p, Shard):
-        return _unsplit_input(state, node, x, p)
+        return _unsplit_input(view, node, x, p)
     ins = list(val(x).shape)
     nd = len(ins)
     start = norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0), nd)
     end = norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1), nd)
     d = norm(p.dim, nd)
-    origins = state.orig(x)
+    origins = view.orig(x)
     if d < start:
-        return state.set(node, p, origins)
+        return view.set(node, p, origins)
     if d > end:
-        return state.set(node, Shard(d - (end - start), p.blocks), origins)
+        return view.set(node, Shard(d - (end - start), p.blocks), origins)
     big = [i for i in range(start, end + 1) if ins[i] != 1]
     if len(big) > 1 and SEQ in origins:
-        gather(state, x, node)      # e.g. [b, s, h] -> [b*s, h]: gather the sequence first
-        return state.set(node, R)
+        gather(view, x, node)      # e.g. [b, s, h] -> [b*s, h]: gather the sequence first
+        return view.set(node, R)
     if big[0] != d:
-        state.demote(origins, node, f"merges split dim {d} of {ins} into a later position")
+        view.demote(origins, node, f"merges split dim {d} of {ins} into a later position")
     if len(big) > 1 and p.blocks is not None:
-        state.demote(origins, node, "flattens a dim made of fused blocks")
-    state.set(node, Shard(start, p.blocks), origins)
+        view.demote(origins, node, "flattens a dim made of fused blocks")
+    return view.set(node, Shard(start, p.blocks), origins)
 
 def permutation(node, nd):
     """For an op that only reorders dims: out dim i is in dim perm[i] (None otherwise)."""
@@ -167,7 +166,7 @@ _PERMUTES = (aten.transpose, aten.t, aten.permute, aten.numpy_T, aten.swapaxes, 
 
 
 @register(*_PERMUTES, aten.unsqueeze, aten.squeeze, aten.expand)
-def layout(state, node):
+def layout(view, node):
     """Moves the split dim with the op (expand's size of the split dim divided by tp).
     Precondition: none beyond its input's. On a parameter no rule has claimed yet, a dim
     permutation (``W.T``, ``W.t()``, ``W.mT``, transpose, permute, ...) only remembers the
@@ -176,25 +175,24 @@ def layout(state, node):
     and is reduced (g) before an expand."""
     pk = packet(node)
     x = node.args[0]
-    p = state.get(x)
+    p = view.get(x)
     nd_in = val(x).ndim
     perm = permutation(node, nd_in)
     if p is None:   # layout op on a parameter: still free, remember the dim map
-        pname, dmap = state.free[x]
+        pname, dmap = view.free[x]
         if perm is not None:
-            state.free[node] = (pname, tuple(dmap[i] for i in perm))
-            return
-        return replicate_all(state, node, "")
+            return view.alias(pname, tuple(dmap[i] for i in perm))
+        return replicate_all(view, node, "")
     if isinstance(p, Partial):
-        if pk is not aten.expand and state.carry_bias(x, node):
-            return state.set(node, p)
-        state.replicate(x, node)
-        return state.set(node, R)
+        if pk is not aten.expand and view.carry_bias(x, node):
+            return view.set(node, p)
+        view.replicate(x, node)
+        return view.set(node, R)
     if not isinstance(p, Shard):
-        return state.set(node, R)
+        return view.set(node, R)
     nd_out = val(node).ndim
     d = norm(p.dim, nd_in)
-    origins = state.orig(x)
+    origins = view.orig(x)
     if perm is not None:
         e = perm.index(d)
     elif pk is aten.unsqueeze:
@@ -209,13 +207,13 @@ def layout(state, node):
         e = d + nd_out - nd_in
         sizes = list(node.args[1])
         if sizes[e] != -1:
-            sizes[e] = sizes[e] // state.tp
-        state.plan.arg_rewrites[node] = (x, sizes) + tuple(node.args[2:])
-    state.set(node, Shard(e, p.blocks), origins)
+            sizes[e] = sizes[e] // view.tp
+        view.rewrite_args((x, sizes) + tuple(node.args[2:]))
+    return view.set(node, Shard(e, p.blocks), origins)
 
 
 @register(aten.split, aten.split_with_sizes, aten.chunk)
-def split(state, node):
+def split(view, node):
     """Splits a tensor into pieces. Along another dim than the split one: each piece keeps
     the split. Along the split dim: precondition that the split dim is made of exactly
     these pieces as fused blocks (a fused QKV). The first time a column matmul's split
@@ -223,32 +221,30 @@ def split(state, node):
     pieces that do not match the blocks demote the matmul. Sizes are divided by tp."""
     pk = packet(node)
     x, dim = node.args[0], (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
-    p = state.get(x)
+    p = view.get(x)
     outs = val(node)
     if p is None:
-        return replicate_all(state, node, "")
+        return replicate_all(view, node, "")
     if isinstance(p, Partial):
-        state.replicate(x, node)
+        view.replicate(x, node)
         p = R
     if not isinstance(p, Shard):
-        return state.set(node, tuple(R for _ in outs))
+        return view.set(node, tuple(R for _ in outs))
     nd = val(x).ndim
     dim = norm(dim, nd)
-    origins = state.orig(x)
+    origins = view.orig(x)
     if norm(p.dim, nd) != dim:
-        return state.set(node, tuple(p for _ in outs), origins)
+        return view.set(node, tuple(p for _ in outs), origins)
     sizes = tuple(o.shape[dim] for o in outs)
     if p.blocks != sizes:
-        if p.blocks is None and origins and all(m not in state.blocks_req for m in origins):
-            for m in origins:
-                state.blocks_req[m] = sizes
-            raise Restart
-        state.demote(origins, node, f"splits the split dim into {list(sizes)}, "
+        if p.blocks is None and origins and all(m not in view.blocks_req for m in origins):
+            view.blocks(origins, sizes)
+        view.demote(origins, node, f"splits the split dim into {list(sizes)}, "
                                     f"not matching its blocks {p.blocks}")
     if pk is aten.chunk:
-        state.plan.arg_rewrites[node] = tuple(node.args)
+        view.rewrite_args(tuple(node.args))
     elif pk is aten.split and not isinstance(node.args[1], (list, tuple)):
-        state.plan.arg_rewrites[node] = (x, node.args[1] // state.tp) + tuple(node.args[2:])
+        view.rewrite_args((x, node.args[1] // view.tp) + tuple(node.args[2:]))
     else:
-        state.plan.arg_rewrites[node] = (x, [s // state.tp for s in node.args[1]]) + tuple(node.args[2:])
-    state.set(node, tuple(Shard(dim) for _ in outs), origins)
+        view.rewrite_args((x, [s // view.tp for s in node.args[1]]) + tuple(node.args[2:]))
+    return view.set(node, tuple(Shard(dim) for _ in outs), origins)
