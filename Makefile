@@ -4,6 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 4
+TEST_WORKERS ?= 2
 DEMO_CONFIG ?= examples/configs/gpt_tiny.toml
 DEMO_ARGS ?=
 
@@ -27,8 +28,10 @@ demo: $(VENV)/.installed
 tp-demo: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/tp_demo.py
 
+# two test files at a time (pytest-xdist; a file's tests stay on one worker, so its module
+# fixtures are built once): the suite's compiles and one-process tests use one core each
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench-capture: $(VENV)/.installed
 	$(PY) benchmarks/capture_llama8b.py --tp 8

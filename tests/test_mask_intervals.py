@@ -134,8 +134,10 @@ def test_a_128k_context_parallel_layout_plans_in_seconds_without_evaluating_the_
     with torch.device("meta"):
         model = cls(cfg)
     ids = torch.zeros(1, s, dtype=torch.long, device="meta")
-    t0 = time.perf_counter()
+    # CPU seconds of this process: the suite runs two files at a time, so wall time would count
+    # the other file's work too
+    t0 = time.process_time()
     plan = plan_run(model, {"input_ids": ids, "labels": ids}, cp=2, device="cpu")
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert took < 60, took
     assert plan is not None
