@@ -51,7 +51,15 @@ Models (--model, or --hf-config):
 Layouts (--layouts, a comma list; the product of the parallel sizes must equal the
 number of processes):
 - ``eager``: the plain model. ``compile``: ``torch.compile(model)`` (``compile-autotune``: mode
-  "max-autotune-no-cudagraphs", ``compile-cgraphs``: "reduce-overhead"). One process only.
+  "max-autotune-no-cudagraphs", ``compile-cgraphs``: "reduce-overhead"): the whole model in one
+  graph, a weak habit for HF models (traced whole, HF builds a materialised causal mask and
+  repeats the kv heads). One process only.
+- ``compile-layers``: the plain model with each decoder layer in ``torch.compile`` and the rest
+  eager, as torchtitan compiles (HF then passes ``is_causal`` and ``enable_gqa`` to SDPA).
+  ``compile-layers-liger``: the same after Liger's RMSNorm, SwiGLU MLP and fused linear
+  cross-entropy (``liger_kernel.transformers.apply_liger_kernel_to_<type>(model=...)``, HF
+  llama / qwen2 / mistral; liger-kernel 0.8.5, a pure-Python wheel, and a CUDA GPU).
+  ``compile-layers-ao``: torchao float8 with per-layer compile.
 - ``compile-ao``/``compile-aorow`` (with ``-cgraphs``/``-autotune`` too: ``compile-ao-cgraphs``):
   the FP8 baseline of a torch.compile user, torchao's float8 training (torchao 0.17:
   ``convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"``

@@ -114,11 +114,12 @@ def test_master_optimizer_for_every_row_and_fadam_refused(tmp_path):
 
 def test_hf_llama_eager_compile_fx_match_the_plain_model(tmp_path):
     """An unmodified HF Llama (tied, GQA, SwiGLU) trained with its own loss: eager, torch.compile
-    of the whole model and fxmegatron give the plain model's losses and gradient norm."""
+    of the whole model, each decoder layer compiled (torchtitan's habit) and fxmegatron give the
+    plain model's losses and gradient norm."""
     path = tmp_path / "rows.json"
     out = one_process(["--model", "hf-llama1b", "--tiny", *SMOKE, "--steps", "1", "--warmup", "1", "--layers", "2",
-                       "--layouts", "eager,compile,fx", "--json", str(path)])
-    passed(out, 3)
+                       "--layouts", "eager,compile,compile-layers,fx", "--json", str(path)])
+    passed(out, 4)
     data = json.load(open(path))
     assert data["model"]["config"]["model_type"] == "llama" and data["model"]["tied"]
     assert {r["optimizer"] for r in data["rows"]} == {"FusedAdamW"}
@@ -272,6 +273,55 @@ def test_torchao_layouts_refused_without_torchao_or_a_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", fake.float8)
     why = check_layout(parse_layout("compile-ao", 8), 1, spec, device="cpu")
     assert why == "compile-ao: torchao float8 training needs a CUDA GPU (sm_89+); this run is on the CPU", why
+
+
+def test_per_layer_and_liger_layouts():
+    """compile-layers: each decoder layer compiled, the rest eager; -liger adds Liger's kernels and
+    needs -layers, an HF llama / qwen2 / mistral, liger-kernel and a GPU (each refused in one line)."""
+    import types
+
+    from e2e.layouts import check_layout, parse_layout
+    lay, lig = parse_layout("compile-layers", 8), parse_layout("compile-layers-liger", 8)
+    assert (lay.per_layer, lay.liger, lig.per_layer, lig.liger) == (True, False, True, True)
+    assert lay.label == "the plain model, each decoder layer compiled"
+    assert lig.label.endswith("Liger RMSNorm, SwiGLU and fused linear cross-entropy")
+    assert parse_layout("compile-layers-ao", 8).fp8 == "tensorwise"
+    with pytest.raises(ValueError, match="-liger goes with -layers"):
+        parse_layout("compile-liger", 8)
+    gpt = types.SimpleNamespace(batch=16, layers=8, model_type="gpt")
+    assert "patches HF models of type llama, qwen2, mistral" in check_layout(lig, 1, gpt)
+    assert check_layout(lay, 1, gpt) is None
+    llama = types.SimpleNamespace(batch=16, layers=8, model_type="llama")
+    why = check_layout(lig, 1, llama, device="cpu")
+    assert why.startswith("compile-layers-liger needs liger-kernel") or "this run is on the CPU" in why, why
+
+
+def test_liger_patches_the_instance_and_leaves_transformers_as_it_was(monkeypatch):
+    """``apply_liger`` calls Liger's patch for the model's type on the instance; the classes and
+    functions Liger swaps in transformers' modeling module (for models built later) are put back,
+    so that the other rows of a run train transformers' own code. Liger is faked here (CPU)."""
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    from e2e.builders import apply_liger
+    seen = {}
+
+    def fake_apply(rope, rms_norm, swiglu, fused_linear_cross_entropy, model):
+        seen.update(rope=rope, rms=rms_norm, swiglu=swiglu, flce=fused_linear_cross_entropy, model=model)
+        modeling_llama.apply_rotary_pos_emb = "liger rope"
+        modeling_llama.LlamaRMSNorm = "LigerRMSNorm"
+        model.patched = True
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_llama = fake_apply
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    before = dict(vars(modeling_llama))
+    model = types.SimpleNamespace()
+    apply_liger(model, "llama")
+    assert seen == dict(rope=False, rms=True, swiglu=True, flce=True, model=model) and model.patched
+    assert modeling_llama.apply_rotary_pos_emb is before["apply_rotary_pos_emb"]
+    assert modeling_llama.LlamaRMSNorm is before["LlamaRMSNorm"]
 
 
 def test_torchao_layout_refused_by_the_script_on_cpu():

@@ -88,9 +88,43 @@ def build_eager(lay, spec, dev, dtype, batch, **_):
         tokens = spec.batch // lay.m * spec.seq
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(lay.fp8),
                                    module_filter_fn=fp8_linear_filter(model, tokens))
-    mode = lay.compile if isinstance(lay.compile, str) else None
-    fn = torch.compile(model, mode=mode) if lay.kind == "compile" else model
+    if lay.liger:
+        apply_liger(model, spec.model_type)
+    if lay.per_layer:
+        layers = decoder_layers(model)
+        for i in range(len(layers)):
+            layers[i] = torch.compile(layers[i])
+        fn = model
+    else:
+        mode = lay.compile if isinstance(lay.compile, str) else None
+        fn = torch.compile(model, mode=mode) if lay.kind == "compile" else model
     return torch_job(list(model.parameters()), accumulate(fn, spec, batch, lay.m), [model, fn])
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks a torchtitan user compiles one by one: the bundled GPT's ``blocks``, an
+    HF causal LM's ``model.layers``."""
+    if hasattr(model, "blocks"):
+        return model.blocks
+    return getattr(model, model.base_model_prefix).layers
+
+
+def apply_liger(model: nn.Module, model_type: str) -> None:
+    """Liger's RMSNorm, SwiGLU MLP and fused linear cross-entropy on this model instance, as its
+    users run them (``apply_liger_kernel_to_<type>(model=...)``). Its rotary kernel is left out
+    (the issue's baseline names these three). Liger also swaps the classes and the rotary function
+    in transformers' modeling module for models built later; those are put back, so that the
+    other rows of the run (built before or after) run transformers' own code."""
+    import importlib
+
+    import liger_kernel.transformers as liger
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    saved = dict(vars(modeling))
+    getattr(liger, f"apply_liger_kernel_to_{model_type}")(rope=False, rms_norm=True, swiglu=True,
+                                                           fused_linear_cross_entropy=True, model=model)
+    for name, value in saved.items():
+        if vars(modeling).get(name) is not value:
+            setattr(modeling, name, value)
 
 
 def _local_heads_forward(self, x):

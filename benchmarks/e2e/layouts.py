@@ -1,4 +1,4 @@
-"""Layout names (``eager``, ``compile[-ao|-aorow]``, ``native-tpN``, ``fx-...``; see
+"""Layout names (``eager``, ``compile[-layers[-liger]][-ao|-aorow]``, ``native-tpN``, ``fx-...``; see
 benchmarks/end_to_end.py's docstring) parsed into ``Layout`` records and checked against the
 world size, the model (``e2e.models.ModelSpec``) and the device."""
 from __future__ import annotations
@@ -28,6 +28,8 @@ class Layout:
     async_tp: bool = False      # native -async: torch's async TP (symmetric memory + inductor's micro-pipeline)
     fp8: str = ""               # fx -fp8 / -fp8row: parallelize(precision="fp8", fp8_recipe=tensorwise / rowwise);
                                 # compile -ao / -aorow: torchao float8 training, the same recipes
+    per_layer: bool = False     # compile -layers: each decoder layer compiled, the rest eager (torchtitan's habit)
+    liger: bool = False         # compile -layers-liger: and Liger's RMSNorm, SwiGLU and fused linear cross-entropy
 
     @property
     def world(self):
@@ -37,9 +39,12 @@ class Layout:
     def label(self) -> str:
         """What the row runs, in words: ``fx-fuse`` is "fxmegatron fuse=True + compile",
         ``compile-ao`` "the plain model, torchao float8 tensorwise + torch.compile"."""
-        if self.kind == "compile" and self.fp8:
+        if self.kind == "compile":
             mode = f" ({self.compile})" if isinstance(self.compile, str) else ""
-            return f"the plain model, torchao float8 {self.fp8} + torch.compile{mode}"
+            what = "each decoder layer compiled" if self.per_layer else f"torch.compile{mode}"
+            liger = ", Liger RMSNorm, SwiGLU and fused linear cross-entropy" if self.liger else ""
+            fp8 = f"torchao float8 {self.fp8} + " if self.fp8 else ""
+            return f"the plain model, {fp8}{what}{liger}"
         if self.kind != "fx":
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
                     "native": f"PyTorch-native DTensor TP, tp {self.tp}"
@@ -88,6 +93,10 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.fp8 = {"fp8": "tensorwise", "fp8row": "rowwise"}[tok]
         elif head == "compile" and tok in ("ao", "aorow"):
             lay.fp8 = {"ao": "tensorwise", "aorow": "rowwise"}[tok]
+        elif head == "compile" and tok == "layers":
+            lay.per_layer = True
+        elif head == "compile" and tok == "liger":
+            lay.liger = True
         elif head == "fx" and tok == "acc32":
             lay.fp32_accum = True
         elif head == "native" and tok == "async":
@@ -105,6 +114,12 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
                          f"and not with -compile, -cgraphs or -autotune")
     if lay.fuse and not rest_eager:
         lay.compile = lay.compile or True
+    if lay.liger and not lay.per_layer:
+        raise ValueError(f"layout {name!r}: -liger goes with -layers (compile-layers-liger: Liger's kernels in "
+                         "eager code beside compiled layers, as its users run them)")
+    if lay.per_layer and isinstance(lay.compile, str):
+        raise ValueError(f"layout {name!r}: -layers compiles each layer with the default mode: drop -cgraphs / "
+                         "-autotune")
     if head == "native" and not any(t.startswith("tp") for t in tokens):
         raise ValueError(f"layout {name!r}: native needs its tensor-parallel size, e.g. native-tp4")
     lay.m = m if m is not None else (pp_microbatches if lay.pp > 1 else 1)
@@ -137,6 +152,10 @@ def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused", device
         why = _torchao_unfit(lay, device)
         if why:
             return why
+    if lay.liger:
+        why = _liger_unfit(lay, spec, device)
+        if why:
+            return why
     if lay.kind == "fx" and lay.pp * lay.v > spec.layers:
         return f"{lay.name}: pp·v = {lay.pp * lay.v} chunks but only {spec.layers} layers"
     return None
@@ -159,4 +178,24 @@ def _torchao_unfit(lay: Layout, device: str) -> Optional[str]:
     if (major, minor) < (8, 9):
         return (f"{lay.name}: torchao float8 training needs an sm_89+ GPU (Ada, Hopper or later); "
                 f"this one is sm_{major}{minor}")
+    return None
+
+
+LIGER_TYPES = ("llama", "qwen2", "mistral")     # liger_kernel.transformers.apply_liger_kernel_to_<type>
+
+
+def _liger_unfit(lay: Layout, spec, device: str) -> Optional[str]:
+    """Why Liger's kernels cannot run ``lay`` here, or None (imported here: CI has neither
+    liger-kernel nor a GPU)."""
+    if spec.model_type not in LIGER_TYPES:
+        return (f"{lay.name}: Liger patches HF models of type {', '.join(LIGER_TYPES)}; this model is "
+                f"{spec.model_type!r} (use compile-layers)")
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception as exc:
+        return (f"{lay.name} needs liger-kernel (pip install liger-kernel==0.8.5): "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    import torch
+    if device == "cpu" or not torch.cuda.is_available():
+        return f"{lay.name}: Liger's kernels are Triton kernels for a CUDA GPU; this run is on the CPU"
     return None
