@@ -48,8 +48,7 @@ class Learnt:
 
 @dataclass
 class Outcome:
-    """A rule's answer for one node."""
-    node: fx.Node
+    """A rule's answer for the node it was asked about."""
     placement: object = UNSET
     origins: frozenset = frozenset()
     rule: Optional[str] = None
@@ -72,7 +71,7 @@ class View:
 
     def __init__(self, state: "State", node: fx.Node):
         self._s, self.node = state, node
-        self.outcome = Outcome(node)
+        self.outcome = Outcome()
         self.tp, self.sp = state.tp, state.sp
         # read-only to rules
         self.free, self.needs_grad, self.from_input = state.free, state.needs_grad, state.from_input
