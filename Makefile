@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 4
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 DEMO_CONFIG ?= examples/configs/gpt_tiny.toml
 DEMO_ARGS ?=
 
@@ -28,9 +28,8 @@ demo: $(VENV)/.installed
 tp-demo: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/tp_demo.py
 
-# TEST_WORKERS=2: two test files at a time (pytest-xdist; a file's tests stay on one worker, so
-# its module fixtures are built once), 37 min instead of 50 on 2 cores; the default stays one at
-# a time until a failure seen once under it is understood (README, "Quick start")
+# two test files at a time (pytest-xdist; a file's tests stay on one worker, so its module
+# fixtures are built once): 37 min instead of 50 on 2 cores; TEST_WORKERS=0 runs one at a time
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 

@@ -14,3 +14,18 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS; torch does not import triton
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_thread_count():
+    """Each test ends with the thread count it started with. ``fxmegatron verify``'s CLI sets its
+    own (a process entry point may), and a test calling it in-process once left 2 threads to the
+    files after it on its worker: inductor's CPU kernels then scatter the embedding's gradient
+    with atomic adds from two threads, whose order varies, and a bit-for-bit comparison of two
+    compiled programs in a later file failed in one of three whole runs."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

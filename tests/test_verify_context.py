@@ -41,11 +41,7 @@ def test_cp_layouts_are_exact(name, tp, sp, variant):
 
 def test_cli_checks_cp_layouts(capsys):
     from fxmegatron.cli import main as cli_main
-    threads = torch.get_num_threads()    # the CLI sets its own; the rest of the session keeps ours
-    try:
-        rc = cli_main(["verify", "--factory", "tests/factories/gpt_small.py:build", "--tp", "2", "--cp", "2"])
-    finally:
-        torch.set_num_threads(threads)
+    rc = cli_main(["verify", "--factory", "tests/factories/gpt_small.py:build", "--tp", "2", "--cp", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "verify tp=2 cp=2: exact" in out, out

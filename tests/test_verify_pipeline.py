@@ -110,12 +110,8 @@ def test_a_planted_wrong_rule_is_named_with_its_chunk(monkeypatch):
 
 
 def test_cli_checks_pipeline_layouts(capsys):
-    threads = torch.get_num_threads()    # the CLI sets its own; the rest of the session keeps ours
-    try:
-        rc = cli_main(["verify", "--factory", "tests/factories/gpt_small.py:build", "--tp", "2", "--pp", "1,2",
-                       "--virtual-stages", "2", "--microbatches", "2", "--dp", "2"])
-    finally:
-        torch.set_num_threads(threads)
+    rc = cli_main(["verify", "--factory", "tests/factories/gpt_small.py:build", "--tp", "2", "--pp", "1,2",
+                   "--virtual-stages", "2", "--microbatches", "2", "--dp", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     for layout in ("tp=2 v=2 m=2 dp=2:", "tp=2 pp=2 v=2 m=2 dp=2:"):
