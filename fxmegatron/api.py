@@ -29,7 +29,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
                 grad_accum_dtype: Optional[torch.dtype] = None, verify: bool = False, min_split: float = 0.5,
                 cp_attention: str = "ring", precision: str = "bf16", fp8_recipe: str = "tensorwise",
-                fp8_policy="all", _chunked: bool = False) -> ParallelModel:
+                fp8_policy="all", dp_shard: str = "none", _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
     ``mesh``: a torch DeviceMesh with dims named from "dp", "pp", "cp", "tp" (or None: one
@@ -82,6 +82,12 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     and the loss stay; weights keep their masters; on CUDA it needs sm_89+, elsewhere the
     GEMMs are emulated (rounded to FP8, multiplied in fp32); plan.txt says per linear what it
     runs in and why. The FP8 program does not depend on tp (amaxes are max-reduced over tp).
+    ``dp_shard``: "none" (every data-parallel rank, and every cp rank, keeps the whole optimizer
+    state of its parameters) or "optimizer" (ZeRO-1, Megatron's distributed optimizer: each
+    bucket of gradients is reduce-scattered over those ranks as soon as backward has finished
+    it, each rank keeps fp32 masters, m and v for its share, and its optimizer step
+    all-gathers the updated parameters; build the optimizer with ``pm.adamw(...)``; see
+    ``fxmegatron.runtime.sharded_dp``).
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
     matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """
@@ -91,7 +97,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                  fuse=fuse, compile=compile, tp_comm_overlap=tp_comm_overlap,
                  tp_comm_transport=tp_comm_transport, state_dict=state_dict, seed=seed, verbose=verbose,
                  grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked,
-                 cp_attention=cp_attention, precision=precision, fp8_recipe=fp8_recipe, fp8_policy=fp8_policy)
+                 cp_attention=cp_attention, precision=precision, fp8_recipe=fp8_recipe, fp8_policy=fp8_policy,
+                 dp_shard=dp_shard)
     axes = mesh_axes(mesh)
     cfg = cfg.with_degrees(axes)
     cfg.make_schedule()
@@ -104,7 +111,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     if cfg.verbose and _rank0():
         print("fxmegatron: " + ", ".join(f"{k} {v:.2f}" for k, v in program.timings.items()), flush=True)
     _warn_coverage(program.coverage, cfg.min_split)
-    return ParallelModel(program, cfg.grad_accum_dtype)
+    return ParallelModel(program, cfg.grad_accum_dtype, cfg.dp_shard)
 
 
 def _rank0() -> bool:

@@ -27,6 +27,7 @@ from fxmegatron.ops.overlapped_linear import TRANSPORTS
 from fxmegatron.passes.fp8 import FP8Policy
 from fxmegatron.passes.recompute import RecomputePolicy
 from fxmegatron.runtime.grad_accumulation import check_grad_accum_dtype
+from fxmegatron.runtime.sharded_dp import DP_SHARD_MODES
 from fxmegatron.schedules import Schedule, ScheduleError, make_schedule
 from fxmegatron.schedules.generate import SCHEDULE_NAMES
 
@@ -43,7 +44,7 @@ TOML_EMPTY = {"schedule": "", "blocks_per_chunk": []}
 # options without a command-line flag: chunked is compile's own (it always writes chunks)
 CLI_LEFT_OUT = ("chunked",)
 CLI_CHOICES = {"recompute": RECOMPUTE_MODES, "schedule": SCHEDULE_NAMES, "tp_comm_transport": TRANSPORTS,
-               "cp_attention": CP_ATTENTIONS, "precision": PRECISIONS, "fp8_recipe": tuple(sorted(RECIPES))}
+               "cp_attention": CP_ATTENTIONS, "dp_shard": DP_SHARD_MODES, "precision": PRECISIONS, "fp8_recipe": tuple(sorted(RECIPES))}
 
 
 def _f(kind: str, default, **meta):
@@ -84,6 +85,7 @@ class Layout:
     precision: str = _f("option", "bf16")
     fp8_recipe: str = _f("option", "tensorwise")
     fp8_policy: Union[str, Sequence[str], FP8Policy] = _f("option", "all")
+    dp_shard: str = _f("option", "none")
 
     def __post_init__(self):
         for name in DEGREES:
@@ -116,6 +118,9 @@ class Layout:
             if self.verify:
                 raise PrecisionError("parallelize(precision='fp8', verify=True): verify compares with the model in "
                                      "eager, which runs no FP8: verify the layout without fp8")
+        if self.dp_shard not in DP_SHARD_MODES:
+            later = " ('gradients' and 'full' are not built yet)" if self.dp_shard in ("gradients", "full") else ""
+            raise ShardingError(f"parallelize(dp_shard={self.dp_shard!r}): expected one of {DP_SHARD_MODES}{later}")
         if self.cp_attention not in CP_ATTENTIONS:
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:

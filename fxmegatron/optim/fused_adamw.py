@@ -207,6 +207,10 @@ class FusedAdamW(torch.optim.Optimizer):
         """Copy the parameters' current values into the fp32 masters."""
         torch._foreach_copy_(self.masters, [_local(p.detach()) for p in self.params])
 
+    def state_bytes(self) -> int:
+        """Bytes of fp32 state this optimizer holds: masters, m and v."""
+        return 3 * self._w.numel() * self._w.element_size()
+
     @property
     def state(self) -> Dict[Tensor, dict]:
         """Per parameter: {"step" (a 0-d float tensor, as torch keeps it), "exp_avg",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxmegatron.errors import ReplicaError
+from fxmegatron.runtime.sharded_dp import padded_numel, reduce_scatter_bucket
 
 
 class GradSync:
@@ -32,23 +33,32 @@ class GradSync:
     loss, which add up, while dp replicas each hold a mean over their own batch."""
 
     def __init__(self, params: Sequence[nn.Parameter], uses: Dict[int, int], group, world: int,
-                 bucket_mb: float = 25.0, divisor: Optional[int] = None):
-        self.group, self.world = group, world
+                 bucket_mb: float = 25.0, divisor: Optional[int] = None, shard: bool = False,
+                 rank: int = 0, alone: Collection[int] = ()):
+        self.group, self.world, self.rank = group, world, rank
         self.divisor = world if divisor is None else divisor
+        # shard: each bucket reduce-scattered (``runtime.sharded_dp``): this rank keeps its piece in
+        # ``pieces[b]`` and the full gradients are dropped once their bucket is launched
+        self.shard = shard
         self.params = [p for p in params if p.requires_grad]
         self.uses = uses                      # id(param) -> accumulations per microbatch
-        # backward visits parameters roughly in reverse: fill buckets from the end
+        # backward visits parameters roughly in reverse: fill buckets from the end; under sharding
+        # a bucket holds one dtype, and a parameter in ``alone`` (ids) is a bucket of its own
         self.buckets: List[List[nn.Parameter]] = []
         cur, size = [], 0
         limit = bucket_mb * 2**20
         for p in reversed(self.params):
+            if shard and cur and (id(p) in alone or p.dtype != cur[-1].dtype):
+                self.buckets.append(cur)
+                cur, size = [], 0
             cur.append(p)
             size += p.numel() * p.element_size()
-            if size >= limit:
+            if size >= limit or (shard and id(p) in alone):
                 self.buckets.append(cur)
                 cur, size = [], 0
         if cur:
             self.buckets.append(cur)
+        self.pieces: List[Optional[torch.Tensor]] = [None] * len(self.buckets)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         self._expected: Dict[int, int] = {}
@@ -81,20 +91,31 @@ class GradSync:
 
     def _launch(self, b: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
+        if self.shard:
+            piece, work, flat = reduce_scatter_bucket(grads, padded_numel(self.buckets[b], self.world), self.world,
+                                                      self.group)
+            self._work[b] = (piece, work, flat)
+            for p in self.buckets[b]:       # what the optimizer reads is the piece
+                p.grad = None
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._work[b] = (flat, dist.all_reduce(flat, group=self.group, async_op=True))
+        self._work[b] = (flat, dist.all_reduce(flat, group=self.group, async_op=True), None)
 
     def finish(self) -> None:
-        """Launch the buckets still waiting, wait for all, write the averages into ``.grad``."""
+        """Launch the buckets still waiting, wait for all, write the averages into ``.grad``
+        (under sharding: into this rank's ``pieces``)."""
         if not self.active:
             return
         for b in range(len(self.buckets)):
             if self._work[b] is None:
                 self._launch(b)
-        for b, (flat, work) in enumerate(self._work):
+        for b, (flat, work, _) in enumerate(self._work):
             work.wait()
             if self.divisor != 1:
                 flat.div_(self.divisor)
+            if self.shard:
+                self.pieces[b] = flat
+                continue
             off = 0
             for p in self.buckets[b]:
                 n = p.numel()
@@ -104,7 +125,12 @@ class GradSync:
                 else:
                     p.grad.copy_(g)
                 off += n
+        self._work = [None] * len(self.buckets)
         self.active = False
+
+    def piece_of(self) -> Dict[int, torch.Tensor]:
+        """id(param) -> this rank's piece of its bucket, for the parameters alone in theirs."""
+        return {id(b[0]): self.pieces[i] for i, b in enumerate(self.buckets) if len(b) == 1 and self.pieces[i] is not None}
 
     def remove(self) -> None:
         for h in self._handles:

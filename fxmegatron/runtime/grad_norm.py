@@ -7,7 +7,7 @@ others add zeros, which is exact), and the vector is summed at the end. So a run
 with another pp computes the same norm, bit for bit, and clips by the same coefficient."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Mapping, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,13 @@ import torch.nn as nn
 from fxmegatron.mesh import Axis
 
 
-def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], slot: Mapping[str, int],
-              counts: Callable[[str], bool], axes: Mapping[str, Axis], device) -> torch.Tensor:
-    """fp32, on the device, no host sync; collective over tp and pp. ``slot``: every parameter
+def grad_norm(named_grads: Iterable[Tuple[str, torch.Tensor]], slot: Mapping[str, int],
+              counts: Callable[[str], bool], axes: Mapping[str, Axis], device,
+              partial_over: Optional[Axis] = None) -> torch.Tensor:
+    """fp32, on the device, no host sync; collective over tp and pp. ``named_grads``: (parameter
+    name, its gradient on this rank); with ``partial_over``, pieces of it (a name may come more
+    than once), the squares then summed over that axis first (sharded data parallelism's
+    pieces: each element is on one rank of the group). ``slot``: every parameter
     name of the whole model -> its place in the model's order; ``counts(name)``: whether this
     rank's square of ``name`` is counted: once per tp shard (a weight replicated over tp counts
     on tp rank 0 only) and on one pipeline rank (a tied weight's first holder). A gradient that
@@ -26,13 +30,12 @@ def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], slot: Mapping[st
     idx: List[int] = []
     grads: List[torch.Tensor] = []
     uncounted: List[torch.Tensor] = []
-    for name, p in named_params:
-        if p.grad is not None:
-            if counts(name):
-                idx.append(slot[name])
-                grads.append(p.grad.detach())
-            else:
-                uncounted.append(p.grad.detach())
+    for name, g in named_grads:
+        if counts(name):
+            idx.append(slot[name])
+            grads.append(g.detach())
+        else:
+            uncounted.append(g.detach())
     # the last entry: 0, or NaN when a gradient this rank does not count is not finite (a NaN in
     # one tp rank's copy of a replicated weight would otherwise reach no norm, and that rank
     # alone would step its copy to NaN); added after the sum, + 0.0 changes no bit
@@ -42,9 +45,12 @@ def grad_norm(named_params: Iterable[Tuple[str, nn.Parameter]], slot: Mapping[st
         where = torch.tensor(idx, dtype=torch.int64)
         if sq.is_cuda:    # a pageable copy would wait for the backward still queued: pinned, async
             where = where.pin_memory().to(sq.device, non_blocking=True)
-        sq[where] = torch.stack(norms).square()
+        # accumulate: a name may have several pieces; 0 + x is x, so whole gradients keep their bits
+        sq.index_put_((where,), torch.stack(norms).square(), accumulate=True)
     if uncounted:
         sq[-1] = (torch.stack(torch._foreach_norm(uncounted, 2.0, dtype=torch.float32)) * 0.0).sum()
+    if partial_over is not None and partial_over.size > 1:
+        dist.all_reduce(sq, group=partial_over.group)
     for dim in ("tp", "pp"):
         if axes[dim].size > 1:
             dist.all_reduce(sq, group=axes[dim].group)

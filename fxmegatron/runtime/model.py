@@ -22,6 +22,7 @@ from fxmegatron.runtime.gather import gather_layout, gather_stages, sum_shared_g
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
 from fxmegatron.runtime.logits import LogitsForward
+from fxmegatron.runtime.sharded_dp import segments, sum_shared_pieces
 from fxmegatron.runtime.microbatches import loss_weights, split_batch
 from fxmegatron.schedules.runtime import StageRunner, add_weighted
 
@@ -39,7 +40,8 @@ class ParallelModel(nn.Module):
     ``RankProgram`` it runs.
     """
 
-    def __init__(self, program: RankProgram, grad_accum_dtype: Optional[torch.dtype] = None):
+    def __init__(self, program: RankProgram, grad_accum_dtype: Optional[torch.dtype] = None,
+                 dp_shard: str = "none"):
         super().__init__()
         check_grad_accum_dtype(grad_accum_dtype)
         self.program = program
@@ -79,8 +81,14 @@ class ParallelModel(nn.Module):
         if grad_accum_dtype is not None and (self.microbatches > 1 or any(v > 1 for v in uses.values())):
             self._grad_accum = Fp32GradAccumulator(list(self.parameters()), uses)
         sync = ax.get("dp_cp", ax["dp"])        # dp, or dp × cp under context parallelism
+        # dp_shard: the optimizer's state sharded over those ranks (runtime.sharded_dp); at one rank
+        # there is nothing to shard
+        self.dp_shard = dp_shard if sync.size > 1 else "none"
         if sync.size > 1:
-            self._grad_sync = GradSync(list(self.parameters()), uses, sync.group, sync.size, divisor=self.dp_size)
+            shared = pipe.stage.shared if pipe is not None else {}
+            alone = {id(p) for n, p in self.named_parameters() if n in shared}
+            self._grad_sync = GradSync(list(self.parameters()), uses, sync.group, sync.size, divisor=self.dp_size,
+                                       shard=self.dp_shard != "none", rank=sync.rank, alone=alone)
         if dist.is_initialized():
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
                                pipe.stage.shared if pipe is not None else ())
@@ -174,7 +182,11 @@ class ParallelModel(nn.Module):
             self._grad_sync.finish()
         if self._runner is not None:
             pipe, pp = self.program.pipeline, self.program.axes["pp"]
-            sum_shared_grads(pipe.stage.params, pipe.stage.shared, pp, self.program.device)
+            if self.dp_shard != "none":
+                sum_shared_pieces(pipe.stage.params, pipe.stage.shared, self._grad_sync.piece_of(),
+                                  self._grad_sync.world, pp, self.program.device)
+            else:
+                sum_shared_grads(pipe.stage.params, pipe.stage.shared, pp, self.program.device)
         return self._global_loss(total)
 
     def eval_step(self, *args, **kwargs) -> torch.Tensor:
@@ -322,8 +334,27 @@ class ParallelModel(nn.Module):
         """The norm of the whole (unsplit) model's gradient, as ``torch.nn.utils.clip_grad_norm_``
         on the unmodified model computes it (fp32, on the device, no host sync). Collective over
         tp and pp (every rank must call it)."""
-        return grad_norm(self.named_parameters(), self._norm_slots, self._counts_square, self.program.axes,
-                         self.program.device)
+        if self.dp_shard != "none":      # each rank holds its pieces' sum; the squares add up over the group
+            names = {id(p): n for n, p in self.named_parameters()}
+            sync = self._grad_sync
+            named = [(names[id(s.param)], sync.pieces[s.bucket][s.at:s.at + s.numel])
+                     for s in segments(sync.buckets, sync.world, sync.rank) if sync.pieces[s.bucket] is not None]
+            return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
+                             partial_over=self.program.axes.get("dp_cp", self.program.axes["dp"]))
+        named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]
+        return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device)
+
+    def adamw(self, params=None, **hyper):
+        """The optimizer for this rank: ``fxmegatron.optim.FusedAdamW`` over ``params`` (this
+        rank's parameters, or groups of them; default all), or under ``dp_shard="optimizer"`` a
+        ``ShardedAdamW`` holding this rank's share of its state (``step`` then also all-gathers
+        the updated parameters). ``hyper``: ``lr``, ``betas``, ``eps``, ``weight_decay``."""
+        from fxmegatron.optim import FusedAdamW
+        from fxmegatron.optim.sharded_adamw import ShardedAdamW
+        params = list(self.parameters()) if params is None else params
+        if self.dp_shard != "none":
+            return ShardedAdamW(self._grad_sync, params, **hyper)
+        return FusedAdamW(params, **hyper)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that the norm of the whole (unsplit) model's gradient is at most
@@ -332,6 +363,10 @@ class ParallelModel(nn.Module):
         ``fxmegatron.optim.FusedAdamW``, ``opt.step(clip_coefficient(pm.grad_norm(), max_norm))``
         does the same without this pass over the gradients."""
         from fxmegatron.optim import clip_coefficient
+        if self.dp_shard != "none":
+            raise ValueError(f"clip_grad_norm_ under dp_shard={self.dp_shard!r}: the whole gradients are gone once "
+                             "reduced; pass the clip coefficient to the optimizer: "
+                             "opt.step(clip_coefficient(pm.grad_norm(), max_norm))")
         norm = self.grad_norm()
         scale_grads_(self.parameters(), clip_coefficient(norm, max_norm))
         return norm

@@ -17,6 +17,7 @@ from fxmegatron.errors import ConfigError
 from fxmegatron.layout import CP_ATTENTIONS, PRECISIONS, RECOMPUTE_MODES, SCHEDULE_NAMES
 from fxmegatron.ops.fp8 import RECIPES
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
+from fxmegatron.runtime.sharded_dp import DP_SHARD_MODES
 
 try:                            # Python 3.11+
     import tomllib
@@ -128,6 +129,9 @@ KEYS: List[Key] = [
        choices=tuple(sorted(RECIPES))),
     _k("layout", "fp8_policy", NAMES, "all", "precision = fp8: the linears in FP8, all, attention, mlp, or a "
        "list of module-path regexes"),
+    _k("layout", "dp_shard", STR, "none", "the optimizer's state sharded over the data-parallel (and cp) ranks: "
+       "none or optimizer (parallelize's; the trainer refuses it until its checkpoints save a sharded optimizer)",
+       choices=DP_SHARD_MODES),
     # ---- optim ----
     _k("optim", "lr", FLOAT, 3e-4, "peak learning rate", minimum=0),
     _k("optim", "min_lr", FLOAT, 3e-5, "learning rate at the end of the decay", minimum=0),
@@ -248,6 +252,10 @@ def from_dict(raw: Dict[str, Any], where: str = "config", base_dir: str = ".",
         values["checkpoint"]["resume"] = _path(base_dir, values["checkpoint"]["resume"])
     if not values["checkpoint"]["dir"]:
         values["checkpoint"]["dir"] = os.path.join(values["run"]["out"], "checkpoints")
+    if values["layout"]["dp_shard"] != "none":
+        raise ConfigError(f"{where}: layout.dp_shard = {values['layout']['dp_shard']!r}: the trainer does not run a "
+                          "sharded optimizer yet (its checkpoints save whole optimizer states); parallelize(..., "
+                          "dp_shard='optimizer') with pm.adamw(...) does")
     m = values["model"]
     if m["kind"] == "hf" or (m["kind"] == "factory" and ".py:" in m["path"]):
         m["path"] = _path(base_dir, m["path"])

@@ -1,0 +1,127 @@
+"""Sharded data parallelism, ``dp_shard="optimizer"`` (ZeRO-1 / Megatron's distributed optimizer):
+which elements of each gradient bucket a data-parallel rank owns, and putting the updated
+parameters back together.
+
+``GradSync`` (``runtime.data_parallel``) cuts the gradients into buckets, in the order backward
+produces them. Under sharding a bucket's flat gradient (its parameters one after the other,
+zero-padded to a multiple of the group's size ``world``) is reduce-scattered: rank ``r`` gets
+the sum of elements ``[r·S, (r+1)·S)``, ``S = padded / world``, and only those. A parameter
+may straddle two ranks' pieces; a ``Segment`` is the part of one parameter inside this rank's
+piece. The optimizer keeps fp32 masters, m and v for the segments only, updates them, and
+``gather_params`` all-gathers each bucket's updated values into every rank's parameters.
+
+A weight that several pipeline ranks hold (a tied embedding and LM head) is a bucket of its
+own: its pieces are then the same elements on every holder, and the holders' pieces are
+summed over the pipeline group as the whole gradients are without sharding
+(``sum_shared_pieces``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxmegatron.mesh import Axis
+
+DP_SHARD_MODES = ("none", "optimizer")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``[start, stop)`` of ``param`` (flattened) are elements ``[at, at + stop - start)``
+    of this rank's piece of bucket ``bucket``."""
+    param: nn.Parameter
+    bucket: int
+    start: int
+    stop: int
+    at: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def padded_numel(bucket: Sequence[nn.Parameter], world: int) -> int:
+    """The bucket's flat length, rounded up to a multiple of ``world``."""
+    n = sum(p.numel() for p in bucket)
+    return math.ceil(n / world) * world
+
+
+def segments(buckets: Sequence[Sequence[nn.Parameter]], world: int, rank: int) -> List[Segment]:
+    """The parts of the parameters inside rank ``rank``'s piece of each bucket, in bucket order."""
+    out: List[Segment] = []
+    for b, bucket in enumerate(buckets):
+        piece = padded_numel(bucket, world) // world
+        lo, hi = rank * piece, (rank + 1) * piece
+        off = 0
+        for p in bucket:
+            a, c = max(lo, off), min(hi, off + p.numel())
+            if a < c:
+                out.append(Segment(p, b, a - off, c - off, a - lo))
+            off += p.numel()
+    return out
+
+
+def reduce_scatter_bucket(grads: Sequence[torch.Tensor], padded: int, world: int, group):
+    """(this rank's piece, the work, the flat input kept alive until the work ends)."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if padded > flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
+    piece = flat.new_empty(padded // world)
+    return piece, dist.reduce_scatter_tensor(piece, flat, group=group, async_op=True), flat
+
+
+def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there); the GPU machines have 2.11
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, piece, group=group, async_op=True)
+
+
+@torch.no_grad()
+def gather_params(buckets: Sequence[Sequence[nn.Parameter]], segs: Sequence[Segment], world: int, rank: int,
+                  group) -> None:
+    """Every rank's parameters from each rank's updated segments: one all-gather per bucket,
+    all launched before the first is waited for."""
+    by_bucket: Dict[int, List[Segment]] = {}
+    for s in segs:
+        by_bucket.setdefault(s.bucket, []).append(s)
+    pending = []
+    for b, bucket in enumerate(buckets):
+        padded = padded_numel(bucket, world)
+        piece = torch.zeros(padded // world, dtype=bucket[0].dtype, device=bucket[0].device)
+        for s in by_bucket.get(b, ()):
+            piece[s.at:s.at + s.numel].copy_(s.param.detach().reshape(-1)[s.start:s.stop])
+        out = piece.new_empty(padded)
+        pending.append((b, out, _all_gather(out, piece, group), piece))
+    for b, out, work, _ in pending:
+        work.wait()
+        off = 0
+        for p in buckets[b]:
+            p.detach().view(-1).copy_(out[off:off + p.numel()])
+            off += p.numel()
+
+
+def sum_shared_pieces(params: Mapping[str, nn.Parameter], shared: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]],
+                      piece_of: Mapping[int, torch.Tensor], world: int, pp: Axis, device) -> None:
+    """``gather.sum_shared_grads`` on the pieces of the shared weights' own buckets: one
+    all-reduce over the pipeline group; a rank without the weight adds zeros."""
+    if not shared or pp.size == 1:
+        return
+    flat = []
+    for name, (shape, dtype) in shared.items():
+        p = params.get(name)
+        got: Optional[torch.Tensor] = piece_of.get(id(p)) if p is not None else None
+        flat.append(got if got is not None else
+                    torch.zeros(math.ceil(math.prod(shape) / world), dtype=dtype, device=device))
+    buf = torch.cat(flat)
+    dist.all_reduce(buf, group=pp.group)
+    off = 0
+    for name, (shape, _) in shared.items():
+        n = math.ceil(math.prod(shape) / world)
+        p = params.get(name)
+        if p is not None and id(p) in piece_of:
+            piece_of[id(p)].copy_(buf[off:off + n])
+        off += n
