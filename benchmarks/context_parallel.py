@@ -25,7 +25,9 @@ r and 2·cp−1−r of 2·cp, fxmegatron's cut), cuts them in place and sends SD
 entropy over the model's bf16 logits, compiled (the upcast fused, as fxmegatron's loss rewrite
 does; ``-hfloss``: HF's own loss, which copies the logits to fp32 first). ``-alltoall``: kv
 passed around (``set_rotate_method``) instead of its default all-gather; ``-compile``: decoder
-layers compiled. torch 2.11 and 2.13 share this API (2.13 falls back to an unbalanced cut when
+layers compiled; fx ``-zero1``: the optimizer's state sharded over the cp ranks
+(``dp_shard="optimizer"``: gradients reduce-scattered, AdamW on each rank's half, parameters
+all-gathered) instead of all-reduced gradients and a whole optimizer per rank. torch 2.11 and 2.13 share this API (2.13 falls back to an unbalanced cut when
 2·cp does not divide s; 2.11 cannot: 2·cp must divide every --seq here).
 
 Per row and --seq: step ms (median of the --steps timed steps, each the slowest rank's, rounds
@@ -104,10 +106,11 @@ class Layout:
     compile: bool = False
     m: int = 1                  # microbatches (run_layout records them)
     hf_loss: bool = False       # torch: HF's own loss (its fp32 copy of the logits) instead of the compiled one
+    zero1: bool = False         # fx -zero1: the optimizer's state sharded over the cp ranks (dp_shard="optimizer")
 
     @property
     def label(self) -> str:
-        tail = ", compiled" if self.compile else ""
+        tail = (", compiled" if self.compile else "") + (", optimizer sharded (ZeRO-1)" if self.zero1 else "")
         if self.kind == "torch":
             return (f"torch context_parallel cp {self.cp}, kv by {self.attention}, model replicated (DDP)"
                     + (", decoder layers compiled" if self.compile else "")
@@ -140,7 +143,7 @@ def parse_layout(name: str, cp_recompute: str, world: int) -> Layout:
             lay.attention = t
         elif t in ("none", "selective", "full"):
             recompute = t
-        elif t in ("sp", "compile"):
+        elif t in ("sp", "compile", "zero1"):
             setattr(lay, t, True)
         else:
             raise ValueError(f"layout {name!r}: unknown part {t!r}")
@@ -168,10 +171,11 @@ def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
     from fxmegatron.runtime.grad_norm import scale_grads_
     mesh = meshes(cp=lay.cp) if lay.cp > 1 else meshes(tp=lay.tp)
     pm = fxmegatron.parallelize(spec.meta(dtype), mesh, batch, sequence_parallel=lay.sp, recompute=lay.recompute,
-                                compile=lay.compile, cp_attention=lay.attention, state_dict=ref_state)
+                                compile=lay.compile, cp_attention=lay.attention, state_dict=ref_state,
+                                dp_shard="optimizer" if lay.zero1 else "none")
     params = list(pm.parameters())
     return Job(params, lambda: pm.train_step(batch), pm.grad_norm,
-               lambda n: scale_grads_(params, clip_coefficient(n, 1.0)), [pm])
+               lambda n: scale_grads_(params, clip_coefficient(n, 1.0)), [pm], pm.adamw)
 
 
 def _sum_hook(group, bucket):

@@ -95,7 +95,7 @@ number of processes):
   with the flag on too. On torch 2.11 (two H100s, bf16) an fxmegatron row built after this one,
   or this row built after an fxmegatron row, trains wrong from its first gradient (docs/TRAINING.md,
   "Beside torch's async TP"): run it in a job of its own until that is understood.
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-fp8|-fp8row][-ovN][-nccl|-ce]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-zero1][-fp8|-fp8row][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device (an HF model as fxmegatron's trainer builds it). tp > 1 turns sequence
   parallelism on (``-nosp``: off); ``-vN`` virtual stages (interleaved 1F1B); ``-mN``
@@ -106,7 +106,8 @@ number of processes):
   graph (or pipeline chunk) through torch.compile
   (``-cgraphs``: its mode "reduce-overhead", CUDA graphs; ``-autotune``:
   "max-autotune-no-cudagraphs"); ``-rsel``/``-rfull``: recomputation; ``-acc32``: gradients
-  summed over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-fp8``/``-fp8row``:
+  summed over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-zero1``: the
+  optimizer's state sharded over dp (``dp_shard="optimizer"``, the optimizer ``pm.adamw``); ``-fp8``/``-fp8row``:
   linear layers' GEMMs in FP8 (``precision="fp8"``, tensorwise / rowwise scales); ``-ovN``: sequence
   parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
   (``tp_comm_overlap=N``; over copy engines, the tp ranks' sequence slices, whatever N),

@@ -58,6 +58,8 @@ def test_layout_names_and_refusals():
     assert (lay.kind, lay.cp, lay.tp, lay.attention, lay.recompute) == ("fx", 2, 1, "ring", "selective")
     lay = parse_layout("fx-tp2-sp-full", "selective", 2)
     assert (lay.tp, lay.sp, lay.recompute) == (2, True, "full")
+    lay = parse_layout("fx-cp2-ring-compile-zero1", "none", 2)
+    assert (lay.compile, lay.zero1) == (True, True) and "optimizer sharded" in lay.label
     lay = parse_layout("torch-cp-alltoall-compile", "none", 2)
     assert (lay.kind, lay.cp, lay.attention, lay.compile) == ("torch", 2, "alltoall", True)
     for bad in ("fx-cp2-tp2", "fx-ring", "torch-cp-ring", "native-tp2"):

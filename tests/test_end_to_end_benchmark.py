@@ -49,8 +49,9 @@ def test_benchmark_layouts_match_the_plain_model():
     # -fadam: still accepted, a no-op (every row uses --optimizer's FusedAdamW); one compiled
     # row (inductor on CPU is most of this test's time), the dp and pp builders eager
     out = two_processes(["--tiny", *SMOKE, "--steps", "1", "--warmup", "1", "--layers", "2", "--layouts",
-                         "native-tp2,fx-tp2,fx-tp2-compile-fadam,fx-dp2,fx-pp2-v1-1f1b"])
-    passed(out, 5)
+                         "native-tp2,fx-tp2,fx-tp2-compile-fadam,fx-dp2,fx-dp2-zero1,fx-pp2-v1-1f1b"])
+    passed(out, 6)
+    assert "fx-dp2-zero1: fxmegatron dp_shard=optimizer" in out.stdout, out.stdout[:3000]
 
 
 def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path):

@@ -31,6 +31,7 @@ class Job:
     norm: Callable[[], torch.Tensor]
     clip: Callable[[torch.Tensor], None]
     keep: list                             # objects to free after the layout
+    adamw: Optional[Callable] = None       # the FusedAdamW to use (a ParallelModel's pm.adamw), if not over params
 
 
 def accumulate(fn, spec, batch, m, context=None):
@@ -210,6 +211,7 @@ def fx_layout(lay, ref_state=None) -> FxLayout:
                     microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
                     compile=lay.compile, tp_comm_overlap=lay.overlap, tp_comm_transport=lay.transport,
                     state_dict=ref_state, grad_accum_dtype=torch.float32 if lay.fp32_accum else None,
+                    dp_shard="optimizer" if lay.zero1 else "none",
                     **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}))
 
 
@@ -222,7 +224,7 @@ def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
     params = list(pm.parameters())
     # pm.clip_grad_norm_(1.0) in two halves: the norm, then the scaling
     return Job(params, lambda: pm.train_step(batch), pm.grad_norm,
-               lambda n: scale_grads_(params, clip_coefficient(n, 1.0)), [pm])
+               lambda n: scale_grads_(params, clip_coefficient(n, 1.0)), [pm], pm.adamw)
 
 
 BUILDERS = {"eager": build_eager, "compile": build_eager, "native": build_native, "fx": build_fx}

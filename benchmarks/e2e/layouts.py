@@ -30,6 +30,7 @@ class Layout:
                                 # compile -ao / -aorow: torchao float8 training, the same recipes
     per_layer: bool = False     # compile -layers: each decoder layer compiled, the rest eager (torchtitan's habit)
     liger: bool = False         # compile -layers-liger: and Liger's RMSNorm, SwiGLU and fused linear cross-entropy
+    zero1: bool = False         # fx -zero1: parallelize(dp_shard="optimizer"), the optimizer built by pm.adamw
 
     @property
     def world(self):
@@ -49,7 +50,7 @@ class Layout:
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
                     "native": f"PyTorch-native DTensor TP, tp {self.tp}"
                               + (", async TP" if self.async_tp else "")}[self.kind]
-        what = "fxmegatron" + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
+        what = "fxmegatron" + (" dp_shard=optimizer" if self.zero1 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
         if self.compile:
             return what + " + compile" + (f" ({self.compile})" if isinstance(self.compile, str) else "")
         return what + (", the rest eager" if self.fuse else ", eager")
@@ -99,6 +100,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.liger = True
         elif head == "fx" and tok == "acc32":
             lay.fp32_accum = True
+        elif head == "fx" and tok == "zero1":
+            lay.zero1 = True
         elif head == "native" and tok == "async":
             lay.async_tp = True
         elif head == "fx" and tok in ("nccl", "ce"):
@@ -130,6 +133,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
 def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused", device: str = "auto") -> Optional[str]:
     """Why ``lay`` cannot run here with the model ``spec`` (``e2e.models.ModelSpec``) on
     ``device`` (--device: "auto", "cuda" or "cpu"), or None."""
+    if lay.zero1 and optimizer != "fused":
+        return f"{lay.name}: -zero1 shards FusedAdamW's state (pm.adamw); --optimizer is {optimizer!r}"
     if lay.fadam and optimizer != "fused":
         return (f"{lay.name}: -fadam asks for FusedAdamW, but --optimizer is {optimizer!r}; the optimizer is "
                 f"run-wide now (every row uses --optimizer's): drop -fadam")

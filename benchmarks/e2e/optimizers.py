@@ -14,7 +14,8 @@ def make_optimizer(kind: str, job, lr: float, dev):
     to 1.0 and the AdamW update (lr ``lr``, torch.optim.AdamW's defaults otherwise)."""
     if kind == "fused":
         from fxmegatron.optim import FusedAdamW, clip_coefficient
-        opt = FusedAdamW(job.params, lr=lr)     # DTensor parameters: through their local shards
+        # DTensor parameters: through their local shards; a ParallelModel's own (sharded under dp_shard)
+        opt = job.adamw(lr=lr) if job.adamw is not None else FusedAdamW(job.params, lr=lr)
 
         def optim_step(norm):
             opt.step(clip_coefficient(norm, 1.0))    # the clip inside the optimizer's pass

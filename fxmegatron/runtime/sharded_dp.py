@@ -67,9 +67,10 @@ def segments(buckets: Sequence[Sequence[nn.Parameter]], world: int, rank: int) -
 
 def reduce_scatter_bucket(grads: Sequence[torch.Tensor], padded: int, world: int, group):
     """(this rank's piece, the work, the flat input kept alive until the work ends)."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if padded > flat.numel():
-        flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
+    n = sum(g.numel() for g in grads)
+    flat = grads[0].new_empty(padded)
+    torch.cat([g.reshape(-1) for g in grads], out=flat[:n])     # one copy, the padding zeroed apart
+    flat[n:].zero_()
     piece = flat.new_empty(padded // world)
     return piece, dist.reduce_scatter_tensor(piece, flat, group=group, async_op=True), flat
 
