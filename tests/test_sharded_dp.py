@@ -11,7 +11,7 @@ from fxmegatron.runtime.sharded_dp import padded_numel, segments
 from tests.distributed import run_distributed
 from tests.workers.sharded_dp import shard_parity
 
-LAYOUTS = {"dp2": {"dp": 2}, "dp4": {"dp": 4}, "dp2-tp2": {"dp": 2, "tp": 2},
+LAYOUTS = {"dp2": {"dp": 2}, "dp2-small": {"dp": 2}, "dp4": {"dp": 4}, "dp2-tp2": {"dp": 2, "tp": 2},
            "dp2-pp2": {"dp": 2, "pp": 2}, "dp2-cp2": {"dp": 2, "cp": 2}}
 KW = {"dp2-pp2": {"microbatches": 2, "virtual_stages": 2}}
 NAMES = ("gpt", "gpt2", "llama")
@@ -37,8 +37,11 @@ def test_sharded_optimizer_steps_match(layout):
     for v in dims.values():
         world *= v
     names = NAMES if layout in ("dp2", "dp2-tp2") else ("gpt2",)
-    per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, KW.get(layout))
+    small = layout.endswith("small")
+    per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, KW.get(layout), small)
     _check(per_rank, world)
+    if small:       # many buckets, stepped and gathered in several chunks
+        assert all(r["buckets"] >= 8 and r["chunks"] >= 3 for res in per_rank for r in res.values()), per_rank
     if layout in ("dp2", "dp4"):     # the fp32 state: 12 bytes per element, 1/dp of them (and padding)
         for res in per_rank:
             for r in res.values():

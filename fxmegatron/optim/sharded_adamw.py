@@ -21,15 +21,23 @@ import torch.nn as nn
 from torch import Tensor
 
 from fxmegatron.optim.fused_adamw import FusedAdamW
-from fxmegatron.runtime.sharded_dp import Segment, gather_params, segments
+from fxmegatron.runtime.sharded_dp import Segment, finish_gather, launch_gather, segments
+
+
+HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
 class ShardedAdamW:
     """AdamW over this rank's segments of ``grad_sync``'s buckets (module docstring). ``params``:
     the ParallelModel's parameters or groups of them, as for ``FusedAdamW``; every parameter
-    ``grad_sync`` reduces must be in exactly one group."""
+    ``grad_sync`` reduces must be in exactly one group.
 
-    def __init__(self, grad_sync, params: Iterable, **hyper):
+    The buckets are stepped in chunks of about ``chunk_mb`` of parameters, one ``FusedAdamW``
+    each: a chunk's all-gather is launched as soon as its update is, and runs while the next
+    chunk's update does. ``param_groups`` are the groups given (without their parameters);
+    what is set there (the learning rate) reaches every chunk at the next step."""
+
+    def __init__(self, grad_sync, params: Iterable, chunk_mb: float = 256.0, **hyper):
         self.sync = grad_sync
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
@@ -45,43 +53,65 @@ class ShardedAdamW:
         if missing:
             raise ValueError(f"ShardedAdamW: {len(missing)} parameter(s) the gradients are reduced for are in no "
                              f"group (shapes {missing[:3]}): the optimizer owns a share of every one")
+        defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, **hyper}
+        self.param_groups = [{**defaults, **{k: v for k, v in g.items() if k != "params"}} for g in groups]
         self.segments: List[Segment] = segments(grad_sync.buckets, grad_sync.world, grad_sync.rank)
         # one leaf per segment, a view of its parameter's storage: the inner optimizer writes the
         # updated values there
         self._views = [nn.Parameter(s.param.detach().view(-1)[s.start:s.stop]) for s in self.segments]
-        seg_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
-        for s, v in zip(self.segments, self._views):
-            seg_groups[group_of[id(s.param)]]["params"].append(v)
-        seg_groups = [g for g in seg_groups if g["params"]]
-        if not seg_groups:       # a bucket smaller than the group leaves some rank nothing
-            self.inner: Optional[FusedAdamW] = None
-            self.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
-            for g in self.param_groups:
-                g.setdefault("lr", hyper.get("lr", 1e-3))
-        else:
-            self.inner = FusedAdamW(seg_groups, **hyper)
-            self.param_groups = self.inner.param_groups
+        # chunks of whole buckets, in bucket order (the order backward finished them)
+        self.chunks: List[List[int]] = [[]]
+        size = 0
+        for b, bucket in enumerate(grad_sync.buckets):
+            self.chunks[-1].append(b)
+            size += sum(p.numel() * p.element_size() for p in bucket)
+            if size >= chunk_mb * 2**20 and b + 1 < len(grad_sync.buckets):
+                self.chunks.append([])
+                size = 0
+        chunk_of = {b: k for k, bs in enumerate(self.chunks) for b in bs}
+        self._inner: List[Optional[FusedAdamW]] = []
+        self._inner_group: List[List[int]] = []         # per chunk: its groups' indices in param_groups
+        self._members: List[List[int]] = []             # per chunk: its segments' indices
+        for k in range(len(self.chunks)):
+            idx = [i for i, s in enumerate(self.segments) if chunk_of[s.bucket] == k]
+            by_group: Dict[int, list] = {}
+            for i in idx:
+                by_group.setdefault(group_of[id(self.segments[i].param)], []).append(self._views[i])
+            gis = sorted(by_group)
+            inner = FusedAdamW([{**self.param_groups[gi], "params": by_group[gi]} for gi in gis]) if gis else None
+            self._inner.append(inner)
+            self._inner_group.append(gis)
+            self._members.append(idx)
 
     @torch.no_grad()
     def step(self, grad_scale: Union[Tensor, float, None] = None) -> None:
         """The segments' AdamW step on the reduced pieces (``grad_scale`` as in ``FusedAdamW``),
-        then the all-gather of the parameters. Collective over the data-parallel group."""
-        pieces = self.sync.pieces
-        if self.inner is not None:
-            for s, v in zip(self.segments, self._views):
-                piece = pieces[s.bucket]
-                if piece is None:
-                    raise RuntimeError("ShardedAdamW.step before train_step: no reduced gradient pieces")
-                v.grad = piece[s.at:s.at + s.numel]
-            self.inner.step(grad_scale)
-        gather_params(self.sync.buckets, self.segments, self.sync.world, self.sync.rank, self.sync.group)
-        self.sync.pieces = [None] * len(self.sync.buckets)
+        then the all-gather of the parameters, chunk by chunk. Collective over the
+        data-parallel group."""
+        pieces, sync = self.sync.pieces, self.sync
+        if any(pieces[s.bucket] is None for s in self.segments):
+            raise RuntimeError("ShardedAdamW.step before train_step: no reduced gradient pieces")
+        pending = None
+        for k, bs in enumerate(self.chunks):
+            inner = self._inner[k]
+            if inner is not None:
+                for g, gi in zip(inner.param_groups, self._inner_group[k]):
+                    g.update({h: self.param_groups[gi][h] for h in HYPER})
+                for i in self._members[k]:
+                    s = self.segments[i]
+                    self._views[i].grad = pieces[s.bucket][s.at:s.at + s.numel]
+                inner.step(grad_scale)
+            started = launch_gather(sync.buckets, bs, [self.segments[i] for i in self._members[k]], sync.world,
+                                    sync.group)
+            if pending is not None:
+                finish_gather(sync.buckets, pending)
+            pending = started
+        finish_gather(sync.buckets, pending)
+        sync.pieces = [None] * len(sync.buckets)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The whole gradients are dropped when their bucket is reduced; nothing to do."""
 
     def state_bytes(self) -> int:
         """Bytes of fp32 state (masters, m, v) this rank holds."""
-        if self.inner is None:
-            return 0
-        return self.inner.state_bytes()
+        return sum(o.state_bytes() for o in self._inner if o is not None)

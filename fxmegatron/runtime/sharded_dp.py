@@ -8,7 +8,8 @@ zero-padded to a multiple of the group's size ``world``) is reduce-scattered: ra
 the sum of elements ``[r·S, (r+1)·S)``, ``S = padded / world``, and only those. A parameter
 may straddle two ranks' pieces; a ``Segment`` is the part of one parameter inside this rank's
 piece. The optimizer keeps fp32 masters, m and v for the segments only, updates them, and
-``gather_params`` all-gathers each bucket's updated values into every rank's parameters.
+``launch_gather`` / ``finish_gather`` all-gather each bucket's updated values into every rank's
+parameters.
 
 A weight that several pipeline ranks hold (a tied embedding and LM head) is a bucket of its
 own: its pieces are then the same elements on every holder, and the holders' pieces are
@@ -82,27 +83,35 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
 
 
 @torch.no_grad()
-def gather_params(buckets: Sequence[Sequence[nn.Parameter]], segs: Sequence[Segment], world: int, rank: int,
-                  group) -> None:
-    """Every rank's parameters from each rank's updated segments: one all-gather per bucket,
-    all launched before the first is waited for."""
+def launch_gather(buckets: Sequence[Sequence[nn.Parameter]], which: Sequence[int], segs: Sequence[Segment],
+                  world: int, group) -> list:
+    """Start the all-gathers of buckets ``which`` from this rank's updated segments ``segs``
+    (of those buckets); ``finish_gather`` waits for them and writes every rank's parameters."""
     by_bucket: Dict[int, List[Segment]] = {}
     for s in segs:
         by_bucket.setdefault(s.bucket, []).append(s)
     pending = []
-    for b, bucket in enumerate(buckets):
+    for b in which:
+        bucket = buckets[b]
         padded = padded_numel(bucket, world)
         piece = torch.zeros(padded // world, dtype=bucket[0].dtype, device=bucket[0].device)
         for s in by_bucket.get(b, ()):
             piece[s.at:s.at + s.numel].copy_(s.param.detach().reshape(-1)[s.start:s.stop])
         out = piece.new_empty(padded)
         pending.append((b, out, _all_gather(out, piece, group), piece))
+    return pending
+
+
+@torch.no_grad()
+def finish_gather(buckets: Sequence[Sequence[nn.Parameter]], pending: list) -> None:
     for b, out, work, _ in pending:
-        work.wait()
-        off = 0
+        work.wait()         # on a GPU the stream waits, not the host
+        off, dst, src = 0, [], []
         for p in buckets[b]:
-            p.detach().view(-1).copy_(out[off:off + p.numel()])
+            dst.append(p.detach().view(-1))
+            src.append(out[off:off + p.numel()])
             off += p.numel()
+        torch._foreach_copy_(dst, src)
 
 
 def sum_shared_pieces(params: Mapping[str, nn.Parameter], shared: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]],

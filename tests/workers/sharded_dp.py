@@ -19,11 +19,12 @@ def _groups(named):
             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None):
+def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, small=False):
     """``steps`` clipped AdamW steps on different batches with masked labels at mesh ``dims``
     ({"dp": 2, "tp": 2, ...}) with the optimizer sharded, next to ``torch.optim.AdamW`` and
     ``clip_grad_norm_`` on the unmodified model: per model, the losses, norms, each parameter's
-    relative error after the last step, and the bytes of optimizer state on this rank."""
+    relative error after the last step, and the bytes of optimizer state on this rank. ``small``:
+    buckets of 20 kB and optimizer chunks of 50 kB (many of each, parameters cut across ranks)."""
     import fxmegatron
     from fxmegatron.optim import clip_coefficient
 
@@ -34,7 +35,15 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None):
         ref = copy.deepcopy(model)
         pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=8),
                                     dp_shard="optimizer", **(kw or {}))
-        opt = pm.adamw(_groups(pm.named_parameters()), lr=1e-3)
+        chunk = {}
+        if small:
+            from fxmegatron.runtime.data_parallel import GradSync
+            old = pm._grad_sync
+            old.remove()
+            pm._grad_sync = GradSync(old.params, old.uses, old.group, old.world, bucket_mb=0.02, divisor=old.divisor,
+                                     shard=True, rank=old.rank)
+            chunk = {"chunk_mb": 0.05}
+        opt = pm.adamw(_groups(pm.named_parameters()), lr=1e-3, **chunk)
         opt_ref = torch.optim.AdamW(_groups(ref.named_parameters()), lr=1e-3)
         losses, losses_ref, norms, norms_ref = [], [], [], []
         grad_max = {n: torch.zeros_like(w) for n, w in ref.named_parameters()}
@@ -66,5 +75,6 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None):
         numel = sum(p.numel() for p in pm.parameters())
         out[name] = {"losses": losses, "losses_ref": losses_ref, "norms": norms, "norms_ref": norms_ref, "err": err,
                      "state_bytes": opt.state_bytes(), "param_numel": numel,
-                     "noise": sum(int((g <= 1e-6 * top).sum()) for g in grad_max.values())}
+                     "noise": sum(int((g <= 1e-6 * top).sum()) for g in grad_max.values()),
+                     "buckets": len(pm._grad_sync.buckets), "chunks": len(opt.chunks)}
     return out
