@@ -7,7 +7,7 @@ import torch
 
 from fxmegatron.errors import ShardingError
 from fxmegatron.layout import Layout
-from fxmegatron.runtime.sharded_dp import padded_numel, segments
+from fxmegatron.runtime.sharded_dp import ALIGN, padded_numel, segments
 from tests.distributed import run_distributed
 from tests.workers.sharded_dp import shard_parity
 
@@ -48,16 +48,20 @@ def test_sharded_optimizer_steps_match(layout):
                 assert r["state_bytes"] <= 12 * r["param_numel"] / dims["dp"] * 1.1, r["state_bytes"]
 
 
-def test_every_element_has_one_owner():
-    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 1, 12, 3)]
+def test_every_element_has_one_owner_and_segments_start_aligned():
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (150, 1, 300, 70, 5)]
     buckets = [ps[:2], ps[2:]]
+    straddle = 0
     for world in (1, 2, 3, 4):
         owned = {id(p): torch.zeros(p.numel(), dtype=torch.int64) for p in ps}
         for r in range(world):
             for s in segments(buckets, world, r):
                 owned[id(s.param)][s.start:s.stop] += 1
                 assert 0 <= s.at and s.at + s.numel <= padded_numel(buckets[s.bucket], world) // world
+                assert s.start % ALIGN == 0 and s.at % ALIGN == 0, s
+                straddle += 0 < s.start or s.stop < s.param.numel()
         assert all(bool((o == 1).all()) for o in owned.values()), world
+    assert straddle > 0         # some parameters are cut between ranks
 
 
 def test_modes_not_built_are_named():

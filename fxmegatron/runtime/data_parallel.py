@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxmegatron.errors import ReplicaError
-from fxmegatron.runtime.sharded_dp import padded_numel, reduce_scatter_bucket
+from fxmegatron.runtime.sharded_dp import reduce_scatter_bucket
 
 
 class GradSync:
@@ -92,8 +92,7 @@ class GradSync:
     def _launch(self, b: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
         if self.shard:
-            piece, work, flat = reduce_scatter_bucket(grads, padded_numel(self.buckets[b], self.world), self.world,
-                                                      self.group)
+            piece, work, flat = reduce_scatter_bucket(grads, self.world, self.group)
             self._work[b] = (piece, work, flat)
             for p in self.buckets[b]:       # what the optimizer reads is the piece
                 p.grad = None
