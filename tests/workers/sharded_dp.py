@@ -12,6 +12,16 @@ def _mesh(dims):
     return init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
+def _model_and_batches(name):
+    """(model, batch(seed)): the test models, or a family of tests/families.py (HF, 2 layers)."""
+    if name in ("gpt", "gpt2", "llama"):
+        return models.build(name, n_layer=4), lambda seed: models.batch(name, seed=seed, batch_size=8)
+    from tests.families import FAMILIES, make_batch
+    fam = FAMILIES[name]
+    torch.manual_seed(1234)
+    return fam.build(), lambda seed: make_batch(fam, seed, batch_size=8)
+
+
 def _groups(named):
     """Megatron's rule, as the trainer's: no weight decay on parameters of fewer than 2 dims."""
     named = list(named)
@@ -31,9 +41,9 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
     mesh = _mesh(dims)
     out = {}
     for name in names:
-        model = models.build(name, n_layer=4)
+        model, batch = _model_and_batches(name)
         ref = copy.deepcopy(model)
-        pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=8),
+        pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, batch(0),
                                     dp_shard="optimizer", **(kw or {}))
         chunk = {}
         if small:
@@ -48,7 +58,7 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
         losses, losses_ref, norms, norms_ref = [], [], [], []
         grad_max = {n: torch.zeros_like(w) for n, w in ref.named_parameters()}
         for step in range(steps):
-            b = models.batch(name, seed=10 + step, batch_size=8)
+            b = batch(10 + step)
             labels = b[1] if isinstance(b, tuple) else b["labels"]
             labels[step % 8, : 3 + step] = -100
             loss_ref = models.call(ref, b)
