@@ -79,3 +79,10 @@ def test_the_trainer_refuses_it_by_name():
     with pytest.raises(ConfigError, match="layout.dp_shard = 'optimizer': the trainer does not run a sharded"):
         load("examples/configs/gpt_tiny.toml", ["layout.dp_shard=optimizer"])
     assert load("examples/configs/gpt_tiny.toml").layout.dp_shard == "none"
+
+
+def test_an_optimizer_that_is_not_pm_adamw_is_named_at_the_next_step():
+    from tests.workers.sharded_dp import wrong_optimizer
+    for no_grads, err in run_distributed(wrong_optimizer, 2):
+        assert no_grads                      # each rank keeps only its share, in the pieces
+        assert err is not None and "build it with pm.adamw(...)" in err, err

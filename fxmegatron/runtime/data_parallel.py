@@ -129,7 +129,8 @@ class GradSync:
 
     def piece_of(self) -> Dict[int, torch.Tensor]:
         """id(param) -> this rank's piece of its bucket, for the parameters alone in theirs."""
-        return {id(b[0]): self.pieces[i] for i, b in enumerate(self.buckets) if len(b) == 1 and self.pieces[i] is not None}
+        return {id(b[0]): self.pieces[i] for i, b in enumerate(self.buckets)
+                if len(b) == 1 and self.pieces[i] is not None}
 
     def remove(self) -> None:
         for h in self._handles:

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from fxmegatron.capture import batch_args
 from fxmegatron.capture.inputs import check_batch, structure_difference
-from fxmegatron.errors import BatchStructureError
+from fxmegatron.errors import BatchStructureError, ShardingError
 from fxmegatron.io.dump import dump_program
 from fxmegatron.placement import Placement, R
 from fxmegatron.program import RankProgram
@@ -22,8 +22,8 @@ from fxmegatron.runtime.gather import gather_layout, gather_stages, sum_shared_g
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
 from fxmegatron.runtime.logits import LogitsForward
-from fxmegatron.runtime.sharded_dp import segments, sum_shared_pieces
 from fxmegatron.runtime.microbatches import loss_weights, split_batch
+from fxmegatron.runtime.sharded_dp import segments, sum_shared_pieces
 from fxmegatron.schedules.runtime import StageRunner, add_weighted
 
 
@@ -167,6 +167,11 @@ class ParallelModel(nn.Module):
         if self._grad_accum is not None:
             self._grad_accum.start(m)
         if self._grad_sync is not None:
+            if self.dp_shard != "none" and any(x is not None for x in self._grad_sync.pieces):
+                raise ShardingError(f"train_step under dp_shard={self.dp_shard!r} while the last step's reduced "
+                                    "gradients are still waiting for the optimizer: build it with pm.adamw(...) "
+                                    "(an optimizer over pm.parameters() sees no gradients: each rank keeps only its "
+                                    "share of them) and call its step() between train_steps")
             self._grad_sync.start(m)
         if self._runner is None:
             total = None

@@ -88,3 +88,21 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
                      "noise": sum(int((g <= 1e-6 * top).sum()) for g in grad_max.values()),
                      "buckets": len(pm._grad_sync.buckets), "chunks": len(opt.chunks)}
     return out
+
+
+def wrong_optimizer(rank, world):
+    """dp_shard with an optimizer over pm.parameters(): the second train_step's error."""
+    import fxmegatron
+    from fxmegatron.errors import ShardingError
+
+    model = models.build("gpt", n_layer=1)
+    pm = fxmegatron.parallelize(model, _mesh({"dp": world}), models.batch("gpt", batch_size=4), dp_shard="optimizer")
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm.train_step(models.batch("gpt", seed=1, batch_size=4))
+    no_grads = all(p.grad is None for p in pm.parameters())
+    opt.step()
+    try:
+        pm.train_step(models.batch("gpt", seed=2, batch_size=4))
+    except ShardingError as e:
+        return no_grads, str(e)
+    return no_grads, None
