@@ -52,7 +52,7 @@ VERIFY_NOT_SIMULATED = {"fuse", "dp_shard", "compile", "tp_comm_overlap", "tp_co
                         "verbose", "verify", "min_split"}
 VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}
 # the dry-run plan counts what a rank holds and saves: the kernels and communication options do
-# not change it; the run fields are parallelize's; dp_shard: the trainer refuses it for now
+# not change it; the run fields are parallelize's; dp_shard: not counted yet (docs/TRAINING.md)
 PLAN_LEFT_OUT = {"fuse", "dp_shard", "compile", "tp_comm_overlap", "tp_comm_transport", "precision", "fp8_recipe",
                  "fp8_policy", "chunked", "state_dict", "seed", "verbose", "verify", "min_split"}
 PLAN_OTHER_KEYWORDS = {"param_dtype", "optimizer", "device", "picture", "layout"}

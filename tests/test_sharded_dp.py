@@ -73,12 +73,12 @@ def test_modes_not_built_are_named():
         Layout(dp_shard="zero3")
 
 
-def test_the_trainer_refuses_it_by_name():
+def test_the_trainer_needs_the_fused_optimizer_for_it():
     from fxmegatron.errors import ConfigError
     from fxmegatron.train.config import load
-    with pytest.raises(ConfigError, match="layout.dp_shard = 'optimizer': the trainer does not run a sharded"):
-        load("examples/configs/gpt_tiny.toml", ["layout.dp_shard=optimizer"])
-    assert load("examples/configs/gpt_tiny.toml").layout.dp_shard == "none"
+    with pytest.raises(ConfigError, match="layout.dp_shard = 'optimizer' shards FusedAdamW's state: it needs optim"):
+        load("examples/configs/gpt_tiny.toml", ["layout.dp_shard=optimizer", "optim.fused=false"])
+    assert load("examples/configs/gpt_tiny.toml", ["layout.dp_shard=optimizer"]).layout.dp_shard == "optimizer"
 
 
 def test_an_optimizer_that_is_not_pm_adamw_is_named_at_the_next_step():

@@ -111,6 +111,10 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
         os.makedirs(tmp)
     _barrier()
     coords = pm.coords()
+    # a sharded optimizer (dp_shard) assembles each parameter's whole state from every rank's share:
+    # collective, so every rank asks before the writers write
+    states = optimizer.full_state() if hasattr(optimizer, "full_state") else \
+        (optimizer.state if optimizer is not None else {})
     if coords["dp"] == 0 and coords["cp"] == 0:
         tensors, meta = {}, {}
         for name, p in pm.named_parameters():
@@ -119,7 +123,7 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
             meta[key] = _piece_meta(pm.program.param_layout(name), pm.program.coords(),
                                     pm.program.global_params[name][0])
         names = _names(pm, optimizer)
-        for p, st in (optimizer.state.items() if optimizer is not None else ()):
+        for p, st in states.items():
             name = names[id(p)]
             for k, v in st.items():
                 if not torch.is_tensor(v):

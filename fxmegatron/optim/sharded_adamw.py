@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from fxmegatron.optim.fused_adamw import FusedAdamW
-from fxmegatron.runtime.sharded_dp import Segment, finish_gather, launch_gather, segments
+from fxmegatron.runtime.sharded_dp import Segment, all_gather, bucket_layout, finish_gather, launch_gather, segments
 
 
 HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -54,7 +54,10 @@ class ShardedAdamW:
             raise ValueError(f"ShardedAdamW: {len(missing)} parameter(s) the gradients are reduced for are in no "
                              f"group (shapes {missing[:3]}): the optimizer owns a share of every one")
         defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, **hyper}
-        self.param_groups = [{**defaults, **{k: v for k, v in g.items() if k != "params"}} for g in groups]
+        # torch's form: the groups with their (whole) parameters, which checkpoints name
+        self.param_groups = [{**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                             for g in groups]
+        self.steps_taken = 0
         self.segments: List[Segment] = segments(grad_sync.buckets, grad_sync.world, grad_sync.rank)
         # one leaf per segment, a view of its parameter's storage: the inner optimizer writes the
         # updated values there
@@ -78,10 +81,16 @@ class ShardedAdamW:
             for i in idx:
                 by_group.setdefault(group_of[id(self.segments[i].param)], []).append(self._views[i])
             gis = sorted(by_group)
-            inner = FusedAdamW([{**self.param_groups[gi], "params": by_group[gi]} for gi in gis]) if gis else None
+            inner = FusedAdamW([{**{h: self.param_groups[gi][h] for h in HYPER}, "params": by_group[gi]}
+                                for gi in gis]) if gis else None
             self._inner.append(inner)
             self._inner_group.append(gis)
             self._members.append(idx)
+        # each segment's place in its chunk's optimizer: (chunk, index among its parameters)
+        self._slot: Dict[int, tuple] = {}
+        for k, inner in enumerate(self._inner):
+            for j, v in enumerate(inner.params if inner is not None else ()):
+                self._slot[id(v)] = (k, j)
 
     @torch.no_grad()
     def step(self, grad_scale: Union[Tensor, float, None] = None) -> None:
@@ -108,9 +117,81 @@ class ShardedAdamW:
             pending = started
         finish_gather(sync.buckets, pending)
         sync.pieces = [None] * len(sync.buckets)
+        self.steps_taken += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The whole gradients are dropped when their bucket is reduced; nothing to do."""
+        """Drop the reduced pieces not stepped on (a skipped update); the whole gradients are
+        dropped when their bucket is reduced."""
+        self.sync.pieces = [None] * len(self.sync.buckets)
+
+    # ---- checkpoints: whole per-parameter states, as FusedAdamW's ------------------------------
+    def _field(self, i: int, field: str) -> Tensor:
+        k, j = self._slot[id(self._views[i])]
+        inner = self._inner[k]
+        return {"exp_avg": inner.exp_avgs, "exp_avg_sq": inner.exp_avg_sqs, "master": inner.masters}[field][j]
+
+    @torch.no_grad()
+    def full_state(self) -> Dict[Tensor, dict]:
+        """Per parameter, FusedAdamW's ``state`` form ({"step", "exp_avg", "exp_avg_sq",
+        "master"}, whole, on the CPU), assembled from every rank's segments: one all-gather per
+        bucket and field. Collective over the data-parallel group: every rank calls it."""
+        sync = self.sync
+        by_bucket: Dict[int, List[int]] = {}
+        for i, s in enumerate(self.segments):
+            by_bucket.setdefault(s.bucket, []).append(i)
+        out: Dict[Tensor, dict] = {}
+        step = torch.tensor(float(self.steps_taken))
+        for b, bucket in enumerate(sync.buckets):
+            offsets, padded = bucket_layout([p.numel() for p in bucket], sync.world)
+            for p in bucket:
+                out[p] = {"step": step.clone()}
+            for field in ("exp_avg", "exp_avg_sq", "master"):
+                piece = torch.zeros(padded // sync.world, dtype=torch.float32, device=bucket[0].device)
+                for i in by_bucket.get(b, ()):
+                    s = self.segments[i]
+                    piece[s.at:s.at + s.numel].copy_(self._field(i, field))
+                whole = piece.new_empty(padded)
+                all_gather(whole, piece, sync.group)
+                whole = whole.cpu()
+                for p, o in zip(bucket, offsets):
+                    out[p][field] = whole[o:o + p.numel()].view(p.shape).clone()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """What ``checkpoint.load`` reassembles: {"state": {index: whole state}, "param_groups": [...,
+        "params": indices]} in ``param_groups``' order; this rank keeps its segments' slices. A
+        parameter with no master takes it from its current value; one with no state starts afresh."""
+        groups = state_dict.get("param_groups", [])
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"ShardedAdamW.load_state_dict: expected groups of "
+                             f"{[len(g['params']) for g in self.param_groups]} parameters, got "
+                             f"{[len(g['params']) for g in groups]}")
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+        for inner in self._inner:
+            if inner is not None:
+                inner.reload_masters()
+        order = [p for g in self.param_groups for p in g["params"]]
+        seg_of: Dict[int, List[int]] = {}
+        for i, s in enumerate(self.segments):
+            seg_of.setdefault(id(s.param), []).append(i)
+        steps = set()
+        for saved, p in zip((i for g in groups for i in g["params"]), order):
+            st = state_dict.get("state", {}).get(saved) or {}
+            step = st.get("step", 0)
+            steps.add(int(step.item() if torch.is_tensor(step) else step))
+            for i in seg_of.get(id(p), ()):
+                s = self.segments[i]
+                k, j = self._slot[id(self._views[i])]
+                self._inner[k].steps[j] = int(step.item() if torch.is_tensor(step) else step)
+                for field in ("exp_avg", "exp_avg_sq", "master"):
+                    dst = self._field(i, field)
+                    if field in st:
+                        dst.copy_(st[field].reshape(-1)[s.start:s.stop])
+                    elif field != "master":
+                        dst.zero_()
+        self.steps_taken = max(steps, default=0)
 
     def state_bytes(self) -> int:
         """Bytes of fp32 state (masters, m, v) this rank holds."""

@@ -88,10 +88,11 @@ def reduce_scatter_bucket(grads: Sequence[torch.Tensor], world: int, group):
     return piece, dist.reduce_scatter_tensor(piece, flat, group=group, async_op=True), flat
 
 
-def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
+def all_gather(out: torch.Tensor, piece: torch.Tensor, group, async_op: bool = False):
+    """Every rank's ``piece`` into ``out``, in rank order."""
     # torch 2.13 renamed all_gather_into_tensor (deprecated there); the GPU machines have 2.11
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, piece, group=group, async_op=True)
+    return fn(out, piece, group=group, async_op=async_op)
 
 
 @torch.no_grad()
@@ -112,7 +113,7 @@ def launch_gather(buckets: Sequence[Sequence[nn.Parameter]], which: Sequence[int
             torch._foreach_copy_([piece[s.at:s.at + s.numel] for s in mine],
                                  [s.param.detach().view(-1)[s.start:s.stop] for s in mine])
         out = piece.new_empty(padded)
-        pending.append((b, out, _all_gather(out, piece, group), piece))
+        pending.append((b, out, all_gather(out, piece, group, async_op=True), piece))
     return pending
 
 

@@ -130,7 +130,7 @@ KEYS: List[Key] = [
     _k("layout", "fp8_policy", NAMES, "all", "precision = fp8: the linears in FP8, all, attention, mlp, or a "
        "list of module-path regexes"),
     _k("layout", "dp_shard", STR, "none", "the optimizer's state sharded over the data-parallel (and cp) ranks: "
-       "none or optimizer (parallelize's; the trainer refuses it until its checkpoints save a sharded optimizer)",
+       "none or optimizer (ZeRO-1; needs optim.fused)",
        choices=DP_SHARD_MODES),
     # ---- optim ----
     _k("optim", "lr", FLOAT, 3e-4, "peak learning rate", minimum=0),
@@ -252,10 +252,9 @@ def from_dict(raw: Dict[str, Any], where: str = "config", base_dir: str = ".",
         values["checkpoint"]["resume"] = _path(base_dir, values["checkpoint"]["resume"])
     if not values["checkpoint"]["dir"]:
         values["checkpoint"]["dir"] = os.path.join(values["run"]["out"], "checkpoints")
-    if values["layout"]["dp_shard"] != "none":
-        raise ConfigError(f"{where}: layout.dp_shard = {values['layout']['dp_shard']!r}: the trainer does not run a "
-                          "sharded optimizer yet (its checkpoints save whole optimizer states); parallelize(..., "
-                          "dp_shard='optimizer') with pm.adamw(...) does")
+    if values["layout"]["dp_shard"] != "none" and not values["optim"]["fused"]:
+        raise ConfigError(f"{where}: layout.dp_shard = {values['layout']['dp_shard']!r} shards FusedAdamW's state: "
+                          "it needs optim.fused = true")
     m = values["model"]
     if m["kind"] == "hf" or (m["kind"] == "factory" and ".py:" in m["path"]):
         m["path"] = _path(base_dir, m["path"])

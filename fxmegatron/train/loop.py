@@ -17,6 +17,7 @@ import fxmegatron
 from fxmegatron.errors import TrainingError
 from fxmegatron.layout import default_schedule
 from fxmegatron.optim import FusedAdamW, clip_coefficient
+from fxmegatron.optim.sharded_adamw import ShardedAdamW
 from fxmegatron.runtime.distributed import Env, make_mesh
 from fxmegatron.runtime.grad_norm import scale_grads_
 from fxmegatron.train import checkpoints
@@ -54,6 +55,8 @@ def build_optimizer(pm, cfg):
     rest = [p for _, p in named if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if pm.dp_shard != "none":       # this rank's share of FusedAdamW (checked at load: optim.fused)
+        return pm.adamw(groups, **kw)
     return FusedAdamW(groups, **kw) if o.fused else torch.optim.AdamW(groups, **kw)
 
 
@@ -159,7 +162,7 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
             bad = _nonfinite_rank(loss, norm, device)
             if bad is None:
                 coef = clip_coefficient(norm_t, o.grad_clip) if o.grad_clip > 0 else None
-                if isinstance(opt, FusedAdamW):
+                if isinstance(opt, (FusedAdamW, ShardedAdamW)):
                     opt.step(coef)
                 else:
                     if coef is not None:
