@@ -9,9 +9,11 @@ element, as on the whole parameter: AdamW has no term across elements) and then 
 every bucket so that each rank holds the whole updated parameters again. Per parameter
 element a rank holds 12/world bytes of optimizer state instead of 12.
 
-Hyperparameters are per group, as in ``FusedAdamW``: ``param_groups`` are the segments'
-groups, in the order of the groups given, so an LR scheduler or the trainer setting
-``group["lr"]`` works unchanged."""
+Hyperparameters are per group, as in ``FusedAdamW``: ``param_groups`` are the groups given
+(with their whole parameters, which checkpoints name), and what is set there (an LR
+scheduler's or the trainer's ``group["lr"]``) reaches the segments at the next step.
+Checkpoints see whole per-parameter states (``full_state``, ``load_state_dict``), so they load
+at any layout and mode."""
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Union
@@ -34,8 +36,7 @@ class ShardedAdamW:
 
     The buckets are stepped in chunks of about ``chunk_mb`` of parameters, one ``FusedAdamW``
     each: a chunk's all-gather is launched as soon as its update is, and runs while the next
-    chunk's update does. ``param_groups`` are the groups given (without their parameters);
-    what is set there (the learning rate) reaches every chunk at the next step."""
+    chunk's update does."""
 
     def __init__(self, grad_sync, params: Iterable, chunk_mb: float = 256.0, **hyper):
         self.sync = grad_sync
