@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxmegatron.errors import ReplicaError
-from fxmegatron.runtime.sharded_dp import reduce_scatter_bucket
+from fxmegatron.errors import ReplicaError, ShardingError
+from fxmegatron.runtime.sharded_dp import reduce_scatter_bucket, segments
 
 
 class GradSync:
@@ -70,6 +70,11 @@ class GradSync:
 
     def start(self, microbatches: int) -> None:
         """Arm for one step of ``microbatches``."""
+        if self.shard and any(x is not None for x in self.pieces):
+            raise ShardingError("train_step under dp_shard='optimizer' while the last step's reduced gradients are "
+                                "still waiting for the optimizer: build it with pm.adamw(...) (an optimizer over "
+                                "pm.parameters() sees no gradients: each rank keeps only its share of them) and call "
+                                "its step() between train_steps")
         self._expected = {id(p): microbatches * self.uses.get(id(p), 1) for p in self.params}
         self._count = {id(p): 0 for p in self.params}
         self._ready = [0] * len(self.buckets)
@@ -131,6 +136,12 @@ class GradSync:
         """id(param) -> this rank's piece of its bucket, for the parameters alone in theirs."""
         return {id(b[0]): self.pieces[i] for i, b in enumerate(self.buckets)
                 if len(b) == 1 and self.pieces[i] is not None}
+
+    def named_pieces(self, names: Dict[int, str]) -> List[Tuple[str, torch.Tensor]]:
+        """(parameter name, this rank's reduced segment of it) for every segment (``names``:
+        id(param) -> name)."""
+        return [(names[id(s.param)], self.pieces[s.bucket][s.at:s.at + s.numel])
+                for s in segments(self.buckets, self.world, self.rank) if self.pieces[s.bucket] is not None]
 
     def remove(self) -> None:
         for h in self._handles:

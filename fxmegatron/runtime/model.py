@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from fxmegatron.capture import batch_args
 from fxmegatron.capture.inputs import check_batch, structure_difference
-from fxmegatron.errors import BatchStructureError, ShardingError
+from fxmegatron.errors import BatchStructureError
 from fxmegatron.io.dump import dump_program
 from fxmegatron.placement import Placement, R
 from fxmegatron.program import RankProgram
@@ -23,7 +23,7 @@ from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
 from fxmegatron.runtime.logits import LogitsForward
 from fxmegatron.runtime.microbatches import loss_weights, split_batch
-from fxmegatron.runtime.sharded_dp import segments, sum_shared_pieces
+from fxmegatron.runtime.sharded_dp import sum_shared_pieces
 from fxmegatron.schedules.runtime import StageRunner, add_weighted
 
 
@@ -167,11 +167,6 @@ class ParallelModel(nn.Module):
         if self._grad_accum is not None:
             self._grad_accum.start(m)
         if self._grad_sync is not None:
-            if self.dp_shard != "none" and any(x is not None for x in self._grad_sync.pieces):
-                raise ShardingError(f"train_step under dp_shard={self.dp_shard!r} while the last step's reduced "
-                                    "gradients are still waiting for the optimizer: build it with pm.adamw(...) "
-                                    "(an optimizer over pm.parameters() sees no gradients: each rank keeps only its "
-                                    "share of them) and call its step() between train_steps")
             self._grad_sync.start(m)
         if self._runner is None:
             total = None
@@ -340,10 +335,7 @@ class ParallelModel(nn.Module):
         on the unmodified model computes it (fp32, on the device, no host sync). Collective over
         tp and pp (every rank must call it)."""
         if self.dp_shard != "none":      # each rank holds its pieces' sum; the squares add up over the group
-            names = {id(p): n for n, p in self.named_parameters()}
-            sync = self._grad_sync
-            named = [(names[id(s.param)], sync.pieces[s.bucket][s.at:s.at + s.numel])
-                     for s in segments(sync.buckets, sync.world, sync.rank) if sync.pieces[s.bucket] is not None]
+            named = self._grad_sync.named_pieces({id(p): n for n, p in self.named_parameters()})
             return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
                              partial_over=self.program.axes.get("dp_cp", self.program.axes["dp"]))
         named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]
