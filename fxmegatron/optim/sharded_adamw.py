@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from fxmegatron.optim.fused_adamw import FusedAdamW
-from fxmegatron.runtime.sharded_dp import Segment, all_gather, bucket_layout, finish_gather, launch_gather, segments
+from fxmegatron.runtime.sharded_dp import Segment, all_gather, bucket_layout, finish_gather, launch_gather
 
 
 HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -59,7 +59,7 @@ class ShardedAdamW:
         self.param_groups = [{**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
                              for g in groups]
         self.steps_taken = 0
-        self.segments: List[Segment] = segments(grad_sync.buckets, grad_sync.world, grad_sync.rank)
+        self.segments: List[Segment] = grad_sync.segments
         # one leaf per segment, a view of its parameter's storage: the inner optimizer writes the
         # updated values there
         self._views = [nn.Parameter(s.param.detach().view(-1)[s.start:s.stop]) for s in self.segments]
@@ -181,11 +181,12 @@ class ShardedAdamW:
         for saved, p in zip((i for g in groups for i in g["params"]), order):
             st = state_dict.get("state", {}).get(saved) or {}
             step = st.get("step", 0)
-            steps.add(int(step.item() if torch.is_tensor(step) else step))
+            step = int(step.item() if torch.is_tensor(step) else step)
+            steps.add(step)
             for i in seg_of.get(id(p), ()):
                 s = self.segments[i]
                 k, j = self._slot[id(self._views[i])]
-                self._inner[k].steps[j] = int(step.item() if torch.is_tensor(step) else step)
+                self._inner[k].steps[j] = step
                 for field in ("exp_avg", "exp_avg_sq", "master"):
                     dst = self._field(i, field)
                     if field in st:

@@ -59,6 +59,8 @@ class GradSync:
         if cur:
             self.buckets.append(cur)
         self.pieces: List[Optional[torch.Tensor]] = [None] * len(self.buckets)
+        # this rank's parts of the parameters in its pieces (the optimizer's and the norm's), once
+        self.segments = segments(self.buckets, world, rank) if shard else []
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         self._expected: Dict[int, int] = {}
@@ -141,7 +143,7 @@ class GradSync:
         """(parameter name, this rank's reduced segment of it) for every segment (``names``:
         id(param) -> name)."""
         return [(names[id(s.param)], self.pieces[s.bucket][s.at:s.at + s.numel])
-                for s in segments(self.buckets, self.world, self.rank) if self.pieces[s.bucket] is not None]
+                for s in self.segments if self.pieces[s.bucket] is not None]
 
     def remove(self) -> None:
         for h in self._handles:
