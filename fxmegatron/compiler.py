@@ -20,6 +20,7 @@ from fxmegatron.lower.rank import build_rank
 from fxmegatron.lower.stages import token_counter
 from fxmegatron.lower.torch_compile import compile_graph
 from fxmegatron.mesh import Axis
+from fxmegatron.passes.dp_shard import DP_SHARD
 from fxmegatron.passes.loss_terms import check_split_loss, split_by
 from fxmegatron.program import PipelineProgram, RankProgram
 from fxmegatron.runtime.id_check import id_checker
@@ -47,8 +48,8 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
     check_split_loss(cap.gm, cfg.microbatches, dp.size)     # before the passes rewrite the loss
     check_ids = id_checker(cap.gm, cap.input_names, device)  # the whole vocabulary: before tp splits it
     timings = dict(timings or {})
-    coords = {n: axes[n].rank for n in ("dp", "pp", "cp", "tp") if n in axes}
-    built = build_rank(cap, cfg, coords, device, {n: axes[n].group_name for n in ("tp", "cp") if n in axes},
+    coords = {n: axes[n].rank for n in ("dp", "pp", "cp", "tp", "dp_cp") if n in axes}
+    built = build_rank(cap, cfg, coords, device, {n: axes[n].group_name for n in ("tp", "cp", "dp_cp") if n in axes},
                        debug=debug)
     local, plan, placeholders = built.local, built.plan, built.placeholders
     mode = cfg.compile if isinstance(cfg.compile, str) else None
@@ -80,7 +81,7 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
         recompute=cfg.recompute_name, seed=cfg.seed, microbatches=cfg.microbatches, graph_module=gm,
         pipeline=pipe, replicated=dict(plan.replicated_params), planning_attempts=plan.attempts,
         count_tokens=count, token_count=counter, check_ids=check_ids, coverage=built.coverage,
-        notes=tuple(cap.notes), timings=timings)
+        notes=tuple(cap.notes), timings=timings, dp_shards=dict(local.meta.get(DP_SHARD, {})))
 
 
 def first_microbatch(batch, m: int, dp: int = 1):

@@ -82,6 +82,7 @@ class RankProgram:
     coverage: Any = None                          # passes.tp_coverage.Coverage, when compiled here
     notes: Tuple[str, ...] = ()                   # what capture changed
     timings: Mapping[str, float] = field(default_factory=dict)
+    dp_shards: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)   # dp_shard="full": name -> local shape
 
     def __post_init__(self):
         if (self.graph_module is None) == (self.pipeline is None):

@@ -115,14 +115,18 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
     # collective, so every rank asks before the writers write
     states = optimizer.full_state() if hasattr(optimizer, "full_state") else \
         (optimizer.state if optimizer is not None else {})
+    # dp_shard="full": each parameter and its state put together from the dp shards (collective too)
+    names = _names(pm, optimizer)
+    local = {name: pm.whole_local(name, p) for name, p in pm.named_parameters()}
+    states = {p: {k: pm.whole_local(names[id(p)], v) if torch.is_tensor(v) else v for k, v in st.items()}
+              for p, st in states.items()}
     if coords["dp"] == 0 and coords["cp"] == 0:
         tensors, meta = {}, {}
         for name, p in pm.named_parameters():
             key = "model/" + name
-            tensors[key] = p.detach().contiguous().cpu()
+            tensors[key] = local[name].detach().contiguous().cpu()
             meta[key] = _piece_meta(pm.program.param_layout(name), pm.program.coords(),
                                     pm.program.global_params[name][0])
-        names = _names(pm, optimizer)
         for p, st in states.items():
             name = names[id(p)]
             for k, v in st.items():
@@ -130,7 +134,7 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
                     raise CheckpointError(f"optimizer state {name}.{k} is a {type(v).__name__}, not a tensor")
                 key = f"optim/{name}/{k}"
                 tensors[key] = v.detach().contiguous().cpu()
-                if v.shape == p.shape:
+                if v.shape == local[name].shape:
                     meta[key] = dict(meta["model/" + name])
                 else:
                     meta[key] = _piece_meta(Placements(), {}, v.shape)
@@ -309,7 +313,7 @@ def load(pm, optimizer, directory: str) -> dict:
     rd.check_model(pm)
     with torch.no_grad():
         for name, p in pm.named_parameters():
-            p.copy_(rd.local("model/" + name, pm, name))
+            p.copy_(pm.shard_local(name, rd.local("model/" + name, pm, name)))
     if optimizer is not None:
         names = _names(pm, optimizer)
         state = {}
@@ -323,8 +327,8 @@ def load(pm, optimizer, directory: str) -> dict:
                 for key in [k for k in rd.pieces if k.startswith(f"optim/{name}/")]:
                     field = key.rsplit("/", 1)[1]
                     m = next(iter(rd.pieces[key].values()))[1]
-                    t = rd.local(key, pm, name) if m["shape"] == list(pm.program.global_params[name][0]) and p.dim() > 0 \
-                        else rd.full(key)
+                    t = pm.shard_local(name, rd.local(key, pm, name)) \
+                        if m["shape"] == list(pm.program.global_params[name][0]) and p.dim() > 0 else rd.full(key)
                     st[field] = t.to(p.device)
                 if st:
                     state[idx] = st

@@ -20,9 +20,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxmegatron.capture import Captured, retarget_device
+from fxmegatron.ops.dp_gather import take_shard as take_dp_shard
 from fxmegatron.placement import Placement, R, Shard, local_shape, shard_slices, take_shard
 
 _CHUNK = 1 << 20
+DIGESTS = "fxmegatron/dp_digests"   # gm.meta: a sharded parameter's name -> weight_digest of its whole local piece
 
 
 def _seed(seed: int, name: str, chunk: int) -> int:
@@ -85,14 +87,20 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
                       world: int, device, state_dict: Optional[Mapping] = None, seed: int = 0,
                       source: Optional[fx.GraphModule] = None,
                       params: Optional[Dict[str, torch.nn.Parameter]] = None,
-                      groups: Optional[Mapping[str, str]] = None) -> fx.GraphModule:
+                      groups: Optional[Mapping[str, str]] = None,
+                      shards: Optional[Mapping[str, tuple]] = None, shard_world: int = 1,
+                      shard_rank: int = 0) -> fx.GraphModule:
     """``gm``'s graph with this rank's parameter shards, the buffers, constants and
     submodules it uses, on ``device`` ("meta": local shapes, no values). Constants are
     taken from ``source`` where it has them (the graph before it went to meta). ``params``
     (name -> shard) is shared between calls, so chunks of one rank share a weight.
-    ``groups`` binds the passes' axis names ("@tp") to this job's process groups."""
+    ``groups`` binds the passes' axis names ("@tp") to this job's process groups. ``shards``
+    (``passes.dp_shard``'s names): each of those parameters is kept as rank ``shard_rank``'s
+    shard of ``shard_world`` (``ops.dp_gather``); the digest of its whole local piece goes to
+    ``gm.meta[DIGESTS]``, for the check that every data-parallel replica built the same model."""
     params = {} if params is None else params
-    root = {}
+    shards = shards or {}
+    root, digests = {}, {}
     for node in gm.graph.nodes:
         t = node.target
         if node.op == "get_attr":
@@ -100,6 +108,10 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
                 if t not in params:
                     params[t] = local_parameter(t, cap.params[t], placements.get(t, R), rank, world,
                                                 device, state_dict, seed)
+                    if t in shards:
+                        digests[t] = weight_digest(params[t])
+                        params[t] = nn.Parameter(take_dp_shard(params[t], shard_world, shard_rank),
+                                                 requires_grad=params[t].requires_grad)
                 root[t] = params[t]
             elif t in cap.buffers:
                 root[t] = cap.buffers[t].to(device)
@@ -113,7 +125,19 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
             root[t] = gm.get_submodule(t)
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return bind_groups(retarget_device(fx.GraphModule(root, graph), device), groups or {})
+    out = bind_groups(retarget_device(fx.GraphModule(root, graph), device), groups or {})
+    if digests:
+        out.meta[DIGESTS] = digests
+    return out
+
+
+def weight_digest(t: torch.Tensor) -> str:
+    """The exact bits of ``t`` (NaNs and signed zeros included), hashed on the host, with its
+    shape and dtype; "" for a meta tensor."""
+    if t.device.type == "meta":
+        return ""
+    raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    return f"{tuple(t.shape)} {t.dtype} " + hashlib.blake2b(raw.numpy(), digest_size=16).hexdigest()
 
 
 def bind_groups(gm: fx.GraphModule, groups: Mapping[str, str]) -> fx.GraphModule:

@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from fxmegatron.capture import Captured
 from fxmegatron.lower.materialize import materialize_graph
-from fxmegatron.lower.rank_passes import CP_AXIS, COVERAGE, PLAN, TP_AXIS, rank_passes
+from fxmegatron.lower.rank_passes import CP_AXIS, COVERAGE, DP_AXIS, PLAN, TP_AXIS, rank_passes
+from fxmegatron.passes.dp_shard import DP_SHARD
 from fxmegatron.lower.stages import Stage, boundary_specs, build_stage
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.pipeline_split import Chunk, split_pipeline
@@ -74,13 +75,17 @@ def build_rank(cap: Captured, layout, coords: Mapping[str, int], device, groups:
     build = [coords.get("pp", 0)] if stages is None else list(stages)
     if device is None:
         build = []
-    bound = {TP_AXIS: groups.get("tp", ""), CP_AXIS: groups.get("cp", "")}
+    bound = {TP_AXIS: groups.get("tp", ""), CP_AXIS: groups.get("cp", ""), DP_AXIS: groups.get("dp_cp", "")}
+    # dp_shard="full": the parameters' shards over dp × cp, whose ranks are dp-major
+    shards = local.meta.get(DP_SHARD)
+    shard_at = dict(shards=shards, shard_world=layout.dp * layout.cp,
+                    shard_rank=coords.get("dp_cp", coords.get("dp", 0) * layout.cp + coords.get("cp", 0)))
     tp, tp_rank = layout.tp, coords.get("tp", 0)
     t0 = time.perf_counter()
     if not layout.pipelined():
         if build:
             out.whole = materialize_graph(local, cap, plan.param_plc, tp_rank, tp, device, layout.state_dict,
-                                          layout.seed, source=graph, groups=bound)
+                                          layout.seed, source=graph, groups=bound, **shard_at)
     else:
         out.chunks = split_pipeline(local, layout.n_chunks, blocks_per_chunk=layout.blocks_per_chunk)
         if build:

@@ -20,6 +20,7 @@ from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_kernel import fused_attention_kernel
 from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import apply_context_parallel
+from fxmegatron.passes.dp_shard import shard_parameters
 from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.fp8 import apply_fp8
 from fxmegatron.passes.fp8_gather import gather_in_fp8
@@ -31,7 +32,7 @@ from fxmegatron.passes.gemm_epilogues import apply_gemm_epilogues
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
-from fxmegatron.passes.recompute import apply_recompute
+from fxmegatron.passes.recompute import RecomputePolicy, apply_recompute
 from fxmegatron.passes.runner import Pass, check_shapes
 from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from fxmegatron.passes.tp_coverage import coverage
@@ -41,6 +42,7 @@ PLAN, COVERAGE = "fxmegatron/tp_plan", "fxmegatron/tp_coverage"   # keys in Grap
 # the passes name a collective's group by its mesh axis; materialisation binds it
 TP_AXIS = "@tp"
 CP_AXIS = "@cp"
+DP_AXIS = "@dp"     # the ranks that sum gradients: dp, or dp × cp (``dp_shard="full"`` shards over them)
 # data-parallel replicas see different samples: their dropout masks must differ too
 DP_SEED_STRIDE = 0x9E3779B1
 
@@ -125,6 +127,14 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     if cfg.tp_comm_overlap and tp.size > 1:
         passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
                            requires={"local_shapes"}))
+    shard_world = axes["dp"].size * axes.get("cp", Axis()).size
+    if cfg.dp_shard == "full" and shard_world > 1:
+        # before recompute: a block's gather falls inside its recomputed region (see passes.dp_shard)
+        policy = RecomputePolicy.of(cfg.recompute)
+        again = bool(cfg.compile) and not (policy is not None and policy.blocks)
+        passes.append(Pass("dp_shard", lambda gm: shard_parameters(gm, cap.params.keys(), shard_world,
+                                                                   axes["dp"].size, DP_AXIS, again),
+                           requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
     compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"
     if cfg.compile:     # a written-out tanh GeLU, as one op for the GeLU passes below
@@ -143,4 +153,5 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
 
 def groups(axes: Mapping[str, Axis]) -> dict:
     """The binding of the passes' axis names to this rank's process groups."""
-    return {TP_AXIS: axes["tp"].group_name, CP_AXIS: axes.get("cp", Axis()).group_name}
+    return {TP_AXIS: axes["tp"].group_name, CP_AXIS: axes.get("cp", Axis()).group_name,
+            DP_AXIS: axes.get("dp_cp", axes["dp"]).group_name}

@@ -15,7 +15,6 @@ same idea as DDP's reducer, kept to what this runtime needs.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Callable, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxmegatron.errors import ReplicaError, ShardingError
+from fxmegatron.lower.materialize import weight_digest
 from fxmegatron.runtime.sharded_dp import reduce_scatter_bucket, segments
 
 
@@ -150,17 +150,8 @@ class GradSync:
             h.remove()
 
 
-def weight_digest(t: torch.Tensor) -> str:
-    """The exact bits of ``t`` (NaNs and signed zeros included), hashed on the host, with its
-    shape and dtype; "" for a meta tensor."""
-    if t.device.type == "meta":
-        return ""
-    raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-    return f"{tuple(t.shape)} {t.dtype} " + hashlib.blake2b(raw.numpy(), digest_size=16).hexdigest()
-
-
 def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping, replicated: Callable[[str], bool],
-                       shared: Collection[str]) -> None:
+                       shared: Collection[str], known: Optional[Mapping[str, str]] = None) -> None:
     """Raise ``ReplicaError`` on every rank, naming the first parameter and the ranks, when ranks
     that must hold the same values of a parameter do not: the data-parallel replicas (with the cp
     ranks of each), the tp ranks of a parameter replicated over tp (``replicated(name)``) and
@@ -172,8 +163,11 @@ def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping,
     differently (another seed, weights loaded on rank 0 alone) would still train a mixture
     across tp and pp after a broadcast over dp; a refusal names the cause in every layout,
     leaves the caller's weights as they are, and costs a hash of each local shard rather than
-    a copy of every weight."""
+    a copy of every weight. ``known``: digests of parameters whose tensors here are not what
+    the ranks compare (``dp_shard="full"`` keeps a shard: the digest of the whole local piece
+    it was cut from)."""
     named = list(named)
+    known = known or {}
     checks = [(axes.get("dp_cp", axes["dp"]), "data-parallel replicas", lambda n: True),
               (axes["tp"], "tp ranks (it is replicated over tp)", replicated),
               (axes["pp"], "pipeline ranks holding a copy of this tied weight", lambda n: n in shared)]
@@ -185,7 +179,7 @@ def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping,
     for ax, who, wanted in checks:
         for n, p in named:
             if wanted(n) and n not in digests:
-                digests[n] = weight_digest(p)
+                digests[n] = known[n] if n in known else weight_digest(p)
         mine = {n: digests[n] for n, _ in named if wanted(n)}
         every: List[Optional[Dict[str, str]]] = [None] * ax.size
         dist.all_gather_object(every, mine, group=ax.group)

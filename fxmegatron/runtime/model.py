@@ -18,16 +18,18 @@ from fxmegatron.placement import Placement, R
 from fxmegatron.program import RankProgram
 from fxmegatron.runtime.batch_check import check_same_batch
 from fxmegatron.runtime.data_parallel import GradSync, check_same_weights
-from fxmegatron.runtime.gather import gather_layout, gather_stages, sum_shared_grads
+from fxmegatron.runtime.gather import sum_shared_grads
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
 from fxmegatron.runtime.logits import LogitsForward
 from fxmegatron.runtime.microbatches import loss_weights, split_batch
 from fxmegatron.runtime.sharded_dp import sum_shared_pieces
+from fxmegatron.runtime.whole_tensors import WholeTensors
+from fxmegatron.lower.materialize import DIGESTS
 from fxmegatron.schedules.runtime import StageRunner, add_weighted
 
 
-class ParallelModel(nn.Module):
+class ParallelModel(WholeTensors, nn.Module):
     """One rank's piece of the parallel program.
 
     ``train_step(batch)`` runs forward and backward over the microbatches (the
@@ -84,14 +86,16 @@ class ParallelModel(nn.Module):
         # dp_shard: the optimizer's state sharded over those ranks (runtime.sharded_dp); at one rank
         # there is nothing to shard
         self.dp_shard = dp_shard if sync.size > 1 else "none"
-        if sync.size > 1:
+        # "full": the parameters are shards and autograd reduce-scatters their gradients (passes.dp_shard)
+        if sync.size > 1 and self.dp_shard != "full":
             shared = pipe.stage.shared if pipe is not None else {}
             alone = {id(p) for n, p in self.named_parameters() if n in shared}
             self._grad_sync = GradSync(list(self.parameters()), uses, sync.group, sync.size, divisor=self.dp_size,
                                        shard=self.dp_shard != "none", rank=sync.rank, alone=alone)
         if dist.is_initialized():
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
-                               pipe.stage.shared if pipe is not None else ())
+                               pipe.stage.shared if pipe is not None else (),
+                               known=self.graph_module.meta.get(DIGESTS) if pipe is None else None)
 
     # parameters keep the original model's names
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -182,7 +186,7 @@ class ParallelModel(nn.Module):
             self._grad_sync.finish()
         if self._runner is not None:
             pipe, pp = self.program.pipeline, self.program.axes["pp"]
-            if self.dp_shard != "none":
+            if self.dp_shard == "optimizer":
                 sum_shared_pieces(pipe.stage.params, pipe.stage.shared, self._grad_sync.piece_of(),
                                   self._grad_sync.world, pp, self.program.device)
             else:
@@ -334,22 +338,25 @@ class ParallelModel(nn.Module):
         """The norm of the whole (unsplit) model's gradient, as ``torch.nn.utils.clip_grad_norm_``
         on the unmodified model computes it (fp32, on the device, no host sync). Collective over
         tp and pp (every rank must call it)."""
-        if self.dp_shard != "none":      # each rank holds its pieces' sum; the squares add up over the group
+        sync = self.program.axes.get("dp_cp", self.program.axes["dp"])
+        if self.dp_shard == "optimizer":      # each rank holds its pieces' sum; the squares add up over the group
             named = self._grad_sync.named_pieces({id(p): n for n, p in self.named_parameters()})
             return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
-                             partial_over=self.program.axes.get("dp_cp", self.program.axes["dp"]))
+                             partial_over=sync)
         named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]
-        return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device)
+        return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
+                         partial_over=sync if self.dp_shard == "full" else None)
 
     def adamw(self, params=None, **hyper):
         """The optimizer for this rank: ``fxmegatron.optim.FusedAdamW`` over ``params`` (this
         rank's parameters, or groups of them; default all), or under ``dp_shard="optimizer"`` a
         ``ShardedAdamW`` holding this rank's share of its state (``step`` then also all-gathers
-        the updated parameters). ``hyper``: ``lr``, ``betas``, ``eps``, ``weight_decay``."""
+        the updated parameters). Under ``dp_shard="full"`` the parameters are shards already: a
+        ``FusedAdamW`` over them. ``hyper``: ``lr``, ``betas``, ``eps``, ``weight_decay``."""
         from fxmegatron.optim import FusedAdamW
         from fxmegatron.optim.sharded_adamw import ShardedAdamW
         params = list(self.parameters()) if params is None else params
-        if self.dp_shard != "none":
+        if self.dp_shard == "optimizer":
             return ShardedAdamW(self._grad_sync, params, **hyper)
         return FusedAdamW(params, **hyper)
 
@@ -360,34 +367,13 @@ class ParallelModel(nn.Module):
         ``fxmegatron.optim.FusedAdamW``, ``opt.step(clip_coefficient(pm.grad_norm(), max_norm))``
         does the same without this pass over the gradients."""
         from fxmegatron.optim import clip_coefficient
-        if self.dp_shard != "none":
+        if self.dp_shard == "optimizer":
             raise ValueError(f"clip_grad_norm_ under dp_shard={self.dp_shard!r}: the whole gradients are gone once "
                              "reduced; pass the clip coefficient to the optimizer: "
                              "opt.step(clip_coefficient(pm.grad_norm(), max_norm))")
         norm = self.grad_norm()
         scale_grads_(self.parameters(), clip_coefficient(norm, max_norm))
         return norm
-
-    # ---- whole tensors -----------------------------------------------------------
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Whole parameters under every name the unmodified model uses, tied names
-        included, on every rank: loads into the unmodified model with strict=True.
-        Collective over tp and pp: every rank must call it."""
-        ax, layout = self.program.axes, self.program.param_layout
-        out = {n: gather_layout(p, layout(n), ax) for n, p in self.named_parameters()}
-        if self._runner is not None and self.pp_size > 1:
-            out = gather_stages(out, self.program.param_order, self.program.global_params, self._holders,
-                                self.program.axes["pp"], self.program.device)
-        for alias, canon in self.program.aliases.items():
-            if canon in out:
-                out[alias] = out[canon]
-        return out
-
-    def full_grads(self) -> Dict[str, torch.Tensor]:
-        """Whole gradients of this rank's parameters (collective over tp)."""
-        ax, layout = self.program.axes, self.program.param_layout
-        return {n: gather_layout(p.grad, layout(n), ax) for n, p in self.named_parameters()
-                if p.grad is not None}
 
     def dump(self, directory: str) -> None:
         """Write this rank's transformed graph(s), placements, collectives and decisions."""

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from fxmegatron.mesh import Axis
 
-DP_SHARD_MODES = ("none", "optimizer")
+DP_SHARD_MODES = ("none", "optimizer", "full")
 
 
 @dataclass(frozen=True)

@@ -51,11 +51,12 @@ def build_optimizer(pm, cfg):
     2 dims go to a second group without decay (Megatron's rule)."""
     o = cfg.optim
     named = list(pm.named_parameters())
-    decay = [p for _, p in named if p.dim() >= 2]
-    rest = [p for _, p in named if p.dim() < 2]
+    # the unmodified model's dims: under dp_shard="full" every parameter here is a flat shard
+    decay = [p for n, p in named if pm.param_dims(n) >= 2]
+    rest = [p for n, p in named if pm.param_dims(n) < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    if pm.dp_shard != "none":       # this rank's share of FusedAdamW (checked at load: optim.fused)
+    if pm.dp_shard != "none":       # this rank's share of FusedAdamW's state (checked at load: optim.fused)
         return pm.adamw(groups, **kw)
     return FusedAdamW(groups, **kw) if o.fused else torch.optim.AdamW(groups, **kw)
 

@@ -1,6 +1,7 @@
-"""Sharded data parallelism (``dp_shard="optimizer"``): AdamW steps with clipping next to the
+"""Sharded data parallelism (``dp_shard="optimizer"`` unless ``kw`` says another): AdamW steps with clipping next to the
 unmodified model's, and what each rank holds."""
 import copy
+import math
 
 import torch
 
@@ -22,11 +23,12 @@ def _model_and_batches(name):
     return fam.build(), lambda seed: make_batch(fam, seed, batch_size=8)
 
 
-def _groups(named):
-    """Megatron's rule, as the trainer's: no weight decay on parameters of fewer than 2 dims."""
+def _groups(named, dims=lambda n, p: p.dim()):
+    """Megatron's rule, as the trainer's: no weight decay on parameters of fewer than 2 dims
+    (``dims(name, param)``: in the unmodified model)."""
     named = list(named)
-    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    return [{"params": [p for n, p in named if dims(n, p) >= 2], "weight_decay": 0.1},
+            {"params": [p for n, p in named if dims(n, p) < 2], "weight_decay": 0.0}]
 
 
 def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, small=False):
@@ -43,8 +45,7 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
     for name in names:
         model, batch = _model_and_batches(name)
         ref = copy.deepcopy(model)
-        pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, batch(0),
-                                    dp_shard="optimizer", **(kw or {}))
+        pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, batch(0), **{"dp_shard": "optimizer", **(kw or {})})
         chunk = {}
         if small:
             from fxmegatron.runtime.data_parallel import GradSync
@@ -53,7 +54,7 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
             pm._grad_sync = GradSync(old.params, old.uses, old.group, old.world, bucket_mb=0.02, divisor=old.divisor,
                                      shard=True, rank=old.rank)
             chunk = {"chunk_mb": 0.05}
-        opt = pm.adamw(_groups(pm.named_parameters()), lr=1e-3, **chunk)
+        opt = pm.adamw(_groups(pm.named_parameters(), lambda n, p: pm.param_dims(n)), lr=1e-3, **chunk)
         opt_ref = torch.optim.AdamW(_groups(ref.named_parameters()), lr=1e-3)
         losses, losses_ref, norms, norms_ref = [], [], [], []
         grad_max = {n: torch.zeros_like(w) for n, w in ref.named_parameters()}
@@ -83,10 +84,12 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
             live = grad_max[n] > 1e-6 * top
             err[n] = ((full[n] - w).abs()[live].max() / w.abs().max().clamp_min(1e-30)).item() if live.any() else 0.0
         numel = sum(p.numel() for p in pm.parameters())
+        whole = sum(math.prod(pm.program.dp_shards.get(n, p.shape)) for n, p in pm.named_parameters())
         out[name] = {"losses": losses, "losses_ref": losses_ref, "norms": norms, "norms_ref": norms_ref, "err": err,
                      "state_bytes": opt.state_bytes(), "param_numel": numel,
                      "noise": sum(int((g <= 1e-6 * top).sum()) for g in grad_max.values()),
-                     "buckets": len(pm._grad_sync.buckets), "chunks": len(opt.chunks)}
+                     "whole_numel": whole, "n_params": len(list(pm.parameters())), "buckets": len(pm._grad_sync.buckets) if pm._grad_sync else 0,
+                     "chunks": len(getattr(opt, "chunks", ()))}
     return out
 
 
@@ -106,3 +109,36 @@ def wrong_optimizer(rank, world):
     except ShardingError as e:
         return no_grads, str(e)
     return no_grads, None
+
+
+def gather_counts(rank, world, kw):
+    """``dp_shard="full"``, the bundled GPT (2 blocks), dp ``world``: the unshard nodes of the
+    rank's graph (its recomputed regions' included) and the all-gathers one step makes, in the
+    forward alone (``eval_step``) and in a whole ``train_step``."""
+    import fxmegatron
+    from fxmegatron.ops.dp_gather import unshard
+    from fxmegatron.ops.groups import ProcessGroupComm
+    from fxmegatron.passes.recompute import Recomputed
+
+    model = models.build("gpt", n_layer=2)
+    b = models.batch("gpt", batch_size=2 * world)
+    pm = fxmegatron.parallelize(model, _mesh({"dp": world}), b, dp_shard="full", **kw)
+    graphs = [pm.graph_module] + [m.body for m in pm.graph_module.modules() if isinstance(m, Recomputed)]
+    nodes = sum(n.target is unshard for g in graphs for n in g.graph.nodes)
+    groups = {".".join(n.split(".")[:2]) if n.startswith("blocks.") else n for n, _ in model.named_parameters()}
+    calls = [0]
+    old = ProcessGroupComm.all_gather
+
+    def counted(self, x):
+        calls[0] += 1
+        return old(self, x)
+
+    ProcessGroupComm.all_gather = counted
+    try:
+        pm.eval_step(b)
+        forward = calls[0]
+        pm.train_step(b)
+    finally:
+        ProcessGroupComm.all_gather = old
+    return {"nodes": nodes, "groups": len(groups), "forward": forward, "step": calls[0] - forward,
+            "blocks": 2}

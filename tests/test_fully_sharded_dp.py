@@ -1,0 +1,61 @@
+"""``dp_shard="full"`` (ZeRO-3): every parameter a flat shard per data-parallel rank, each block's
+gathered by one ``unshard`` node before the block and its gradients reduce-scattered by autograd.
+Against the unmodified model on gloo, fp32: five clipped AdamW steps on different batches with
+masked labels give its losses (1e-5), norms and every parameter (1e-4); each rank holds about
+1/world of the parameters and of the optimizer's fp32 state; the gathers happen where the
+recomputation (or the compiled backward) needs them again."""
+import pytest
+
+from fxmegatron.errors import ShardingError
+from fxmegatron.layout import Layout
+from tests.distributed import run_distributed
+from tests.test_sharded_dp import _check
+from tests.workers.sharded_dp import gather_counts, shard_parity
+
+# layout -> (mesh, models, parallelize's keywords): three HF families (tied, untied GQA, MoE) and
+# the bundled GPT, with tp + sp, cp, recompute and compile
+LAYOUTS = {
+    "dp2": ({"dp": 2}, ("gpt2", "llama", "mixtral"), {}),
+    "dp4-recompute": ({"dp": 4}, ("gpt",), {"recompute": "full"}),
+    "dp2-tp2-sp": ({"dp": 2, "tp": 2}, ("gpt", "mixtral"), {"sequence_parallel": True}),
+    "dp2-cp2": ({"dp": 2, "cp": 2}, ("gpt2",), {}),
+    "dp2-compile": ({"dp": 2}, ("llama",), {"compile": True}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fully_sharded_steps_match(layout):
+    dims, names, kw = LAYOUTS[layout]
+    world = 1
+    for v in dims.values():
+        world *= v
+    shards = dims["dp"] * dims.get("cp", 1)
+    per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, {"dp_shard": "full", **kw})
+    _check(per_rank, world)
+    for res in per_rank:
+        for r in res.values():
+            # this rank's parameters: 1/(dp·cp) of its whole (tp) pieces, and padding to 64 elements a shard
+            assert r["param_numel"] <= r["whole_numel"] / shards + 64 * r["n_params"], r
+            assert r["param_numel"] >= r["whole_numel"] / shards, r
+            assert r["state_bytes"] == 12 * r["param_numel"], r      # fp32 master, m, v of the shards only
+
+
+@pytest.mark.parametrize("kw", [{}, {"recompute": "full"}, {"compile": True}])
+def test_a_block_is_gathered_once_forward_and_again_for_the_backward(kw):
+    for r in run_distributed(gather_counts, 2, kw):
+        assert r["nodes"] == r["groups"], r           # one unshard per block and per parameter outside blocks
+        assert r["forward"] == r["groups"], r         # eval: each group gathered once
+        # a step gathers every group in the forward; eager, the whole parameters stay for the backward;
+        # a recomputed block gathers again, and so does the compiled backward (each block, and the
+        # parameters outside blocks whose backward reads them)
+        if kw.get("compile"):
+            assert r["groups"] + r["blocks"] <= r["step"] < 2 * r["groups"], r
+        else:
+            assert r["step"] == r["groups"] + (r["blocks"] if kw else 0), r
+
+
+def test_full_sharding_is_refused_where_not_built():
+    with pytest.raises(ShardingError, match="not built yet: use dp_shard='optimizer' with pipeline"):
+        Layout(dp=2, pp=2, dp_shard="full")
+    with pytest.raises(ShardingError, match="'gradients' is not built yet"):
+        Layout(dp_shard="gradients")
