@@ -356,12 +356,13 @@ def bench(args, spec, layouts, env, launcher):
         if lead:
             print(f"check: plain model's first losses {[round(x, 6) for x in ref_losses]}, first gradient norm "
                   f"{ref_norm:.6g}", flush=True)
-    elif spec.kind != "gpt" and len({lay.kind == "fx" for lay in layouts}) == 2:
+    elif spec.kind != "gpt" and len({lay.kind in ("fx", "fsdp2") for lay in layouts}) == 2 or \
+            any(lay.kind == "fsdp2" for lay in layouts):
         ref_state = initial_state(spec, dev, dtype)     # HF's own initialisation for the fx rows too
 
     if args.interleave:
         rows = run_interleaved(layouts, spec, args, dev, dtype, batch, meshes,
-                               lambda lay: ref_state if lay.kind == "fx" else None, peak_tflops)
+                               lambda lay: ref_state if lay.kind in ("fx", "fsdp2") else None, peak_tflops)
         rows = [dict(row, label=lay.label) for row, lay in zip(rows, layouts)]
         if lead:
             for row in rows:
@@ -373,7 +374,7 @@ def bench(args, spec, layouts, env, launcher):
             # GPU's clock (it runs at its power limit) does not favour the layout that runs first
             for lay in (layouts if r % 2 == 0 else layouts[::-1]):
                 row = run_guarded(lay, spec, args, dev, dtype, batch, meshes,
-                                  ref_state if lay.kind == "fx" else None, peak_tflops,
+                                  ref_state if lay.kind in ("fx", "fsdp2") else None, peak_tflops,
                                   profile=r == args.rounds - 1)
                 runs[lay.name].append(row)
                 if lead:

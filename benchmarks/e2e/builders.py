@@ -211,7 +211,7 @@ def fx_layout(lay, ref_state=None) -> FxLayout:
                     microbatches=lay.m, virtual_stages=lay.v, schedule=lay.schedule, fuse=lay.fuse,
                     compile=lay.compile, tp_comm_overlap=lay.overlap, tp_comm_transport=lay.transport,
                     state_dict=ref_state, grad_accum_dtype=torch.float32 if lay.fp32_accum else None,
-                    dp_shard="optimizer" if lay.zero1 else "none",
+                    dp_shard="optimizer" if lay.zero1 else "full" if lay.zero3 else "none",
                     **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}))
 
 
@@ -227,7 +227,12 @@ def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
                lambda n: scale_grads_(params, clip_coefficient(n, 1.0)), [pm], pm.adamw)
 
 
-BUILDERS = {"eager": build_eager, "compile": build_eager, "native": build_native, "fx": build_fx}
+def _fsdp2(*args, **kw):
+    from e2e.fsdp_builders import build_fsdp2
+    return build_fsdp2(*args, **kw)
+
+
+BUILDERS = {"eager": build_eager, "compile": build_eager, "native": build_native, "fx": build_fx, "fsdp2": _fsdp2}
 
 
 def initial_state(spec, dev, dtype):

@@ -31,6 +31,7 @@ class Layout:
     per_layer: bool = False     # compile -layers: each decoder layer compiled, the rest eager (torchtitan's habit)
     liger: bool = False         # compile -layers-liger: and Liger's RMSNorm, SwiGLU and fused linear cross-entropy
     zero1: bool = False         # fx -zero1: parallelize(dp_shard="optimizer"), the optimizer built by pm.adamw
+    zero3: bool = False         # fx -zero3: parallelize(dp_shard="full")
 
     @property
     def world(self):
@@ -46,11 +47,15 @@ class Layout:
             liger = ", Liger RMSNorm, SwiGLU and fused linear cross-entropy" if self.liger else ""
             fp8 = f"torchao float8 {self.fp8} + " if self.fp8 else ""
             return f"the plain model, {fp8}{what}{liger}"
+        if self.kind == "fsdp2":
+            return (f"PyTorch FSDP2 over dp {self.dp}, each decoder layer fully_shard-ed"
+                    + (" and compiled" if self.compile else "") + (", recomputed" if self.recompute == "full" else "")
+                    + ", fp32 parameters, compute in --dtype, fp32 gradient reduction")
         if self.kind != "fx":
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
                     "native": f"PyTorch-native DTensor TP, tp {self.tp}"
                               + (", async TP" if self.async_tp else "")}[self.kind]
-        what = "fxmegatron" + (" dp_shard=optimizer" if self.zero1 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
+        what = "fxmegatron" + (" dp_shard=optimizer" if self.zero1 else "") + (" dp_shard=full" if self.zero3 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
         if self.compile:
             return what + " + compile" + (f" ({self.compile})" if isinstance(self.compile, str) else "")
         return what + (", the rest eager" if self.fuse else ", eager")
@@ -60,13 +65,15 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
     """``eager``, ``compile[-ao|-aorow]``, ``native-tpN``, ``fx-...`` (see end_to_end.py's
     docstring), each with an optional ``-mN``. Raises ValueError with the reason."""
     head, *tokens = name.split("-")
-    if head not in ("eager", "compile", "native", "fx"):
-        raise ValueError(f"layout {name!r}: starts with {head!r}; expected eager, compile, native-tpN or fx[-...]")
+    if head not in ("eager", "compile", "native", "fx", "fsdp2"):
+        raise ValueError(f"layout {name!r}: starts with {head!r}; expected eager, compile, native-tpN, fsdp2-dpN "
+                         "or fx[-...]")
     lay = Layout(name, head)
     m, rest_eager = None, False
     for tok in tokens:
         num = re.fullmatch(r"(tp|pp|dp|v|m|ov)(\d+)", tok)
-        if num and (head == "fx" or num.group(1) in ("tp", "m") and (head == "native" or num.group(1) == "m")):
+        if num and (head == "fx" or num.group(1) in ("tp", "m") and (head == "native" or num.group(1) == "m")
+                    or head == "fsdp2" and num.group(1) in ("dp", "m")):
             key, val = num.group(1), int(num.group(2))
             if val < 1:
                 raise ValueError(f"layout {name!r}: {tok} must be >= 1")
@@ -102,6 +109,12 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.fp32_accum = True
         elif head == "fx" and tok == "zero1":
             lay.zero1 = True
+        elif head == "fx" and tok == "zero3":
+            lay.zero3 = True
+        elif head == "fsdp2" and tok == "compile":
+            lay.compile = True
+        elif head == "fsdp2" and tok == "rfull":
+            lay.recompute = "full"
         elif head == "native" and tok == "async":
             lay.async_tp = True
         elif head == "fx" and tok in ("nccl", "ce"):
@@ -133,8 +146,12 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
 def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused", device: str = "auto") -> Optional[str]:
     """Why ``lay`` cannot run here with the model ``spec`` (``e2e.models.ModelSpec``) on
     ``device`` (--device: "auto", "cuda" or "cpu"), or None."""
-    if lay.zero1 and optimizer != "fused":
-        return f"{lay.name}: -zero1 shards FusedAdamW's state (pm.adamw); --optimizer is {optimizer!r}"
+    if (lay.zero1 or lay.zero3) and optimizer != "fused":
+        return f"{lay.name}: -zero1/-zero3 shard FusedAdamW's state (pm.adamw); --optimizer is {optimizer!r}"
+    if lay.zero1 and lay.zero3:
+        return f"{lay.name}: -zero1 or -zero3, not both"
+    if lay.kind == "fsdp2" and optimizer != "fused":
+        return f"{lay.name}: the FSDP2 row runs torch's fused AdamW on its fp32 shards; --optimizer is {optimizer!r}"
     if lay.fadam and optimizer != "fused":
         return (f"{lay.name}: -fadam asks for FusedAdamW, but --optimizer is {optimizer!r}; the optimizer is "
                 f"run-wide now (every row uses --optimizer's): drop -fadam")
