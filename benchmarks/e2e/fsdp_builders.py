@@ -67,5 +67,13 @@ def build_fsdp2(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
 
     def adamw(lr):
         return _ClippedAdamW(params, lr, fused=dev.type == "cuda")
-    return Job(params, accumulate(model, spec, batch, lay.m), norm,
+    # data parallel: this rank's share of the global batch; the step's loss is the mean over the ranks
+    # (each share holds as many tokens), as fxmegatron's train_step returns it
+    mine = accumulate(model, spec, spec.chunk(batch, lay.dp)[mesh.get_local_rank()], lay.m)
+
+    def fwd_bwd():
+        loss = mine().detach().float().clone()
+        torch.distributed.all_reduce(loss, group=mesh.get_group())
+        return loss / lay.dp
+    return Job(params, fwd_bwd, norm,
                lambda n: torch.nn.utils.clip_grads_with_norm_(params, 1.0, n), [model], adamw)
