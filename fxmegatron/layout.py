@@ -124,6 +124,10 @@ class Layout:
         if self.dp_shard == "full" and (self.pp > 1 or self.chunked or self.virtual_stages > 1):
             raise ShardingError(f"parallelize(dp_shard='full', pp={self.pp}): fully sharded parameters inside pipeline "
                                 "stages are not built yet: use dp_shard='optimizer' with pipeline parallelism")
+        if self.dp_shard == "full" and (self.precision == "fp8" or self.tp_comm_overlap):
+            what = "precision='fp8'" if self.precision == "fp8" else f"tp_comm_overlap={self.tp_comm_overlap}"
+            raise ShardingError(f"parallelize(dp_shard='full', {what}): not tested together yet (the gathered weights "
+                                "would feed that pass's ops): use dp_shard='optimizer', or leave it off")
         if self.cp_attention not in CP_ATTENTIONS:
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:

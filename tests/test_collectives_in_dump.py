@@ -120,7 +120,7 @@ def test_dump_collectives_listing_is_unchanged(layout, tmp_path):
 
 # ---- the registry of communicating ops ------------------------------------------------------------
 OP_MODULES = ["collectives", "overlapped_linear", "context_parallel", "vocab_parallel", "fp8", "fp8_operands",
-              "fp8_gather"]
+              "fp8_gather", "dp_gather"]
 
 
 def _records():
@@ -146,7 +146,7 @@ def test_every_communicating_op_has_one_record_where_it_is_defined():
         "f", "g", "max", "gather_seq", "scatter_seq", "split_seq", "all_gather_seq",
         "all_gather+linears", "linear+reduce_scatter", "cp_attention", "cp_sum", "cp_count",
         "vocab_parallel_cross_entropy[max,g,g]", "fp8_amax", "fp8_amax", "fp8_amax", "fp8_gather_seq",
-        "gather_seq_grad", "all_gather_seq_grad"])
+        "gather_seq_grad", "all_gather_seq_grad", "unshard"])
     for r in recs:
         module = getattr(r.op, "__module__", None) or ""
         assert module.startswith("fxmegatron.ops.") or module == "torch._ops.fxmegatron", (r.name, module)

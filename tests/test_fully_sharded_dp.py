@@ -59,3 +59,7 @@ def test_full_sharding_is_refused_where_not_built():
         Layout(dp=2, pp=2, dp_shard="full")
     with pytest.raises(ShardingError, match="'gradients' is not built yet"):
         Layout(dp_shard="gradients")
+    with pytest.raises(ShardingError, match=r"dp_shard='full', precision='fp8'\): not tested together yet"):
+        Layout(dp=2, dp_shard="full", precision="fp8")
+    with pytest.raises(ShardingError, match=r"dp_shard='full', tp_comm_overlap=2\): not tested together yet"):
+        Layout(dp=2, tp=2, dp_shard="full", sequence_parallel=True, tp_comm_overlap=2)

@@ -13,8 +13,7 @@ from fxmegatron.runtime.sharded_dp import all_gather
 
 
 class WholeTensors:
-    """What ``ParallelModel`` gathers; it sets ``program``, ``dp_shard``, ``pp_size``,
-    ``_runner`` and ``_holders``."""
+    """What ``ParallelModel`` gathers; it sets ``program``, ``dp_shard`` and ``pp_size``."""
 
     def param_dims(self, name: str) -> int:
         """How many dims parameter ``name`` has in the unmodified model (a rule such as "no weight
@@ -51,8 +50,9 @@ class WholeTensors:
         call it."""
         ax, layout = self.program.axes, self.program.param_layout
         out = {n: gather_layout(self.whole_local(n, p), layout(n), ax) for n, p in self.named_parameters()}
-        if self._runner is not None and self.pp_size > 1:
-            out = gather_stages(out, self.program.param_order, self.program.global_params, self._holders,
+        pipe = self.program.pipeline
+        if pipe is not None and self.pp_size > 1:
+            out = gather_stages(out, self.program.param_order, self.program.global_params, pipe.holders(),
                                 self.program.axes["pp"], self.program.device)
         for alias, canon in self.program.aliases.items():
             if canon in out:

@@ -129,8 +129,9 @@ KEYS: List[Key] = [
        choices=tuple(sorted(RECIPES))),
     _k("layout", "fp8_policy", NAMES, "all", "precision = fp8: the linears in FP8, all, attention, mlp, or a "
        "list of module-path regexes"),
-    _k("layout", "dp_shard", STR, "none", "the optimizer's state sharded over the data-parallel (and cp) ranks: "
-       "none or optimizer (ZeRO-1; needs optim.fused)",
+    _k("layout", "dp_shard", STR, "none", "what the data-parallel (and cp) ranks shard: none, optimizer (the "
+       "optimizer's state, ZeRO-1) or full (the parameters, gradients and state, ZeRO-3; not with pp); "
+       "needs optim.fused",
        choices=DP_SHARD_MODES),
     # ---- optim ----
     _k("optim", "lr", FLOAT, 3e-4, "peak learning rate", minimum=0),

@@ -14,13 +14,15 @@ def _gpt(seed):
 def different_weights(rank, world):
     """parallelize's error (None: it returned) for each case, in order: dp2 replicas built with
     the same seed, with seeds 0 and 1; tp2 with a replicated norm weight changed on rank 1;
-    pp2 with seeds 0 and 1 (the tied embedding's two copies differ)."""
+    pp2 with seeds 0 and 1 (the tied embedding's two copies differ); dp2 with dp_shard="full" and
+    seeds 0 and 1, then 0 and 0 (each rank keeps a shard: the digests are of the whole pieces)."""
     import fxmegatron
     from fxmegatron.errors import ReplicaError
 
     batch = models.batch("gpt", batch_size=4)
     cases = [("dp", 0, None, {}), ("dp", rank, None, {}), ("tp", 0, "blocks.1.ln2.weight", {}),
-             ("pp", rank, None, {"microbatches": 2})]
+             ("pp", rank, None, {"microbatches": 2}), ("dp", rank, None, {"dp_shard": "full"}),
+             ("dp", 0, None, {"dp_shard": "full"})]
     out = []
     for dim, seed, bump, kw in cases:
         model = _gpt(seed)
