@@ -2,8 +2,8 @@
 parameters put together from every data-parallel rank's shard just before the block runs.
 
 Each parameter (this rank's tensor-parallel piece of it) is held flattened, zero-padded to
-``padded_length`` and cut into ``world`` equal shards, one per rank of the group that sums
-its gradients (dp, or dp × cp under context parallelism). ``unshard`` all-gathers the shards
+``world`` shards of ``shard_length`` elements (a multiple of ``ALIGN``), one per rank of the
+group that sums its gradients (dp, or dp × cp under context parallelism). ``unshard`` all-gathers the shards
 of a group of parameters in one collective (their shards concatenated: rank-major, as the
 gather lays them out) and returns each parameter whole; its backward reduce-scatters the
 whole gradients back to the shards, divided by ``divisor`` (the dp degree: replicas average,
