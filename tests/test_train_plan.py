@@ -193,3 +193,18 @@ def test_cp2_halves_the_activations_not_the_parameters():
     assert cp2.stages[0].params == one.stages[0].params
     assert 0.4 < cp2.stages[0].activation_bytes / one.stages[0].activation_bytes < 0.6
     assert "dp 1 × pp 1 × cp 2 × tp 1 = 2 ranks" in cp2.format()
+
+
+def test_sharded_data_parallelism_divides_what_each_mode_shards():
+    """dp_shard: "optimizer" counts 1/(dp·cp) of the optimizer's state per rank, "full" of the
+    parameters and gradients too; activations are the same."""
+    plans = {m: plan_run(gpt(), gpt_batch(4), dp=2, cp=2, param_dtype=torch.bfloat16, optimizer="fused_adamw",
+                         device="cpu", dp_shard=m) for m in ("none", "optimizer", "full")}
+    none, opt, full = (plans[m].stages[0] for m in ("none", "optimizer", "full"))
+    assert opt.optimizer_bytes == -(-none.optimizer_bytes // 4) and opt.param_bytes == none.param_bytes
+    assert opt.grad_bytes == none.grad_bytes
+    assert full.optimizer_bytes == opt.optimizer_bytes
+    assert full.param_bytes == -(-none.param_bytes // 4) and full.grad_bytes == -(-none.grad_bytes // 4)
+    assert full.activation_bytes == none.activation_bytes
+    assert "dp_shard full: parameters, gradients and optimizer state split over dp·cp = 4 ranks" in \
+        plans["full"].format()

@@ -113,6 +113,7 @@ class RunPlan:
     seconds: float
     notes: List[str] = field(default_factory=list)
     cp: int = 1                        # context parallelism: activations are cp rank 0's two chunks
+    dp_shard: str = "none"             # what the dp·cp ranks shard (counted per rank)
 
     @property
     def tied_copies(self) -> int:
@@ -128,7 +129,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
              schedule: Optional[str] = None, param_dtype: Optional[torch.dtype] = None, optimizer: str = "adamw",
              grad_accum_dtype: Optional[torch.dtype] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
              device: str = "cuda", picture: Optional[str] = None, cp: int = 1,
-             cp_attention: str = "ring", layout: Optional[Layout] = None) -> RunPlan:
+             cp_attention: str = "ring", layout: Optional[Layout] = None, dp_shard: str = "none") -> RunPlan:
     """The plan of a run (module docstring). ``example_global_batch``: one optimizer step's
     batch over all data-parallel ranks (split over dp, then into ``microbatches``, as
     ``parallelize`` splits it). ``param_dtype``: the dtype the parameters train in (the
@@ -137,7 +138,9 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     form (``plan_memory``). ``picture``: also draw the schedule to this .png or .svg. ``cp``:
     context parallelism, the graph of cp rank 0 (its two chunks of the sequence; every cp rank
     holds as much), with ``cp_attention``. ``layout``: a ``Layout`` in place of the layout's
-    keywords (dp, pp, tp, cp and the options)."""
+    keywords (dp, pp, tp, cp and the options). ``dp_shard`` (or the layout's): what the dp·cp
+    ranks shard, "optimizer" (its state / (dp·cp)) or "full" (parameters and gradients too;
+    the transient gathered block is left out, as the caveat says of gathers)."""
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
@@ -185,6 +188,12 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
                      placements, tp, optimizer, grad_accum_dtype is not None, microbatches) for r in range(pp)]
     for st in stages:
         st.recompute_bytes = max(regions[c] for c in st.chunks)
+    dp_shard = layout.dp_shard if layout is not None else dp_shard
+    shards = dp * cp if dp_shard != "none" else 1
+    for st in stages:       # each rank's share (the padding of each piece left out)
+        st.optimizer_bytes = -(-st.optimizer_bytes // shards)
+        if dp_shard == "full":
+            st.param_bytes, st.grad_bytes = -(-st.param_bytes // shards), -(-st.grad_bytes // shards)
     tied = {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
     notes = [f"parameter {n} is split unevenly over tp={tp}: tp rank 0 does not speak for the others"
              for n, plc in placements.items() if isinstance(plc, Shard) and not _even(cap.params[n].shape, plc, tp)]
@@ -207,7 +216,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
         tied_numel={n: cap.params[n].numel() for n in tied},
         bubble=res.overall_bubble_fraction if res else None, timeline=timeline_text(sched, res) if res else "",
         coverage=built.coverage.summary() if tp > 1 else "",
-        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes), cp=cp)
+        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes), cp=cp, dp_shard=dp_shard)
 
 
 def _in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> nn.Module:
@@ -281,7 +290,11 @@ def _format(p: RunPlan) -> List[str]:
            f"{'on' if p.sequence_parallel else 'off'}; recompute {p.recompute}; {sched}; "
            f"{p.microbatches} microbatch(es) of {', '.join(p.microbatch)} per dp rank",
            f"optimizer {p.optimizer} ({OPTIMIZER_NOTES[p.optimizer]}); gradients {dt}"
-           + (" + fp32 sums over the microbatches" if p.grad_accum_dtype is not None else ""), ""]
+           + (" + fp32 sums over the microbatches" if p.grad_accum_dtype is not None else "")
+           + ({"optimizer": f"; dp_shard optimizer: its state split over dp·cp = {p.dp * p.cp} ranks",
+               "full": f"; dp_shard full: parameters, gradients and optimizer state split over dp·cp = "
+                       f"{p.dp * p.cp} ranks (a block's whole parameters gathered besides)"}.get(p.dp_shard, "")),
+           ""]
     out.append(f"Parameters per rank (elements; tp ranks of a stage hold shards of equal shape: tp rank 0 "
                f"shown, 'stage' = split × {p.tp} + replicated)")
     out.append(f"  {'pp':>2} {'per tp rank':>15} {'split over tp':>15} {'replicated':>13} {'stage':>15}  "
