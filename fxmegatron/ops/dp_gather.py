@@ -47,16 +47,21 @@ def whole(gathered: Tensor, shape: Sequence[int]) -> Tensor:
     return gathered[:math.prod(shape)].view(tuple(shape))
 
 
+def _gather(shards: Sequence[Tensor], world: int, group_name: str) -> tuple:
+    """Each parameter's ``world`` shards one after the other (flat), from one all-gather."""
+    flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
+    out = all_gather(flat, 0, world, group_name)
+    if len(shards) == 1:
+        return (out,)
+    # rank-major [world, Σ shard] -> each parameter's world shards one after the other
+    return tuple(p.reshape(-1) for p in out.view(world, -1).split([s.numel() for s in shards], dim=1))
+
+
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, world, divisor, group_name, *shards):
         ctx.args = (world, divisor, group_name, [s.numel() for s in shards])
-        flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
-        out = all_gather(flat, 0, world, group_name)
-        if len(shards) == 1:
-            return (out,)
-        # rank-major [world, Σ shard] -> each parameter's world shards one after the other
-        return tuple(p.reshape(-1) for p in out.view(world, -1).split([s.numel() for s in shards], dim=1))
+        return _gather(shards, world, group_name)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -78,7 +83,56 @@ def _gather_again():
 
 def _unshard(world, divisor, group_name, shapes, *shards):
     flats = _Unshard.apply(world, divisor, group_name, *shards)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # eager: mark each whole parameter, so that ``regather_in_backward`` keeps the shards rather than it
+        group = _Gathered(shards, world, group_name)
+        for i, f in enumerate(flats):
+            f._fxm_gathered = (group, i)
     return [whole(f, s) for f, s in zip(flats, shapes)]
+
+
+class _Gathered:
+    """One group's whole parameters as a forward gathered them: the backward gathers them again
+    from the shards, once, when the first of them is unpacked, and drops them after the last."""
+
+    def __init__(self, shards, world: int, group_name: str):
+        self.shards, self.world, self.group_name = [s.detach() for s in shards], world, group_name
+        self.saved = 0
+        self.again = None
+
+    def unpack(self, i: int) -> Tensor:
+        if self.again is None:
+            with torch.no_grad():
+                self.again = _gather(self.shards, self.world, self.group_name)
+        t = self.again[i]
+        self.saved -= 1
+        if self.saved == 0:
+            self.again = None
+        return t
+
+
+def _pack(t: Tensor):
+    root = t._base if t._base is not None else t
+    mark = getattr(root, "_fxm_gathered", None)
+    if mark is None:
+        return t
+    mark[0].saved += 1
+    return mark + (t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack(x):
+    if isinstance(x, Tensor):
+        return x
+    group, i, size, stride, offset = x
+    return group.unpack(i).as_strided(size, stride, offset)
+
+
+def regather_in_backward():
+    """A context for an eager forward under ``dp_shard="full"``: what autograd saves of a whole
+    parameter (``unshard``'s output, or a view of it) is kept as a reference to its shards, and
+    the backward all-gathers the group again when it needs it, so the whole parameters live from
+    their block's forward to its end and again during its backward, not in between."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 def unshard(shards: List[Tensor], shapes: List[List[int]], world: int, divisor: int, group_name: str,

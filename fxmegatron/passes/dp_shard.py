@@ -15,8 +15,9 @@ How the whole parameters are dropped between forward and backward:
   when it recomputes in the backward.
 * ``compile=True`` otherwise: the node asks for its gather to be recomputed
   (``recompute_gather``), and the compiled backward gathers again where it needs the weights.
-* eager otherwise: the whole parameters stay until the backward has used them (memory of
-  the parameters as without sharding; gradients and optimizer state are sharded).
+* eager otherwise: what autograd saves of a whole parameter is kept as a reference to its
+  shards, and the backward gathers the group again (``ops.dp_gather.regather_in_backward``,
+  around each forward of ``ParallelModel.train_step``).
 
 Preconditions: local shapes (after the tensor-parallel rewrite and ``localize``); before
 ``recompute``. ``gm.meta[DP_SHARD]`` names each sharded parameter with its local shape, for

@@ -26,6 +26,7 @@ from fxmegatron.runtime.microbatches import loss_weights, split_batch
 from fxmegatron.runtime.sharded_dp import sum_shared_pieces
 from fxmegatron.runtime.whole_tensors import WholeTensors
 from fxmegatron.lower.materialize import DIGESTS
+from fxmegatron.ops.dp_gather import regather_in_backward
 from fxmegatron.schedules.runtime import StageRunner, add_weighted
 
 
@@ -175,7 +176,8 @@ class ParallelModel(WholeTensors, nn.Module):
         if self._runner is None:
             total = None
             for mb, w in zip(micro, weights):
-                loss = self.graph_module(*mb)[0]
+                with self._regather():
+                    loss = self.graph_module(*mb)[0]
                 (loss if w == 1.0 else loss * w).backward()
                 total = add_weighted(total, loss, w)
         else:
@@ -192,6 +194,10 @@ class ParallelModel(WholeTensors, nn.Module):
             else:
                 sum_shared_grads(pipe.stage.params, pipe.stage.shared, pp, self.program.device)
         return self._global_loss(total)
+
+    def _regather(self):
+        """Under dp_shard="full", the whole parameters a forward saves are gathered again in the backward."""
+        return regather_in_backward() if self.dp_shard == "full" else contextlib.nullcontext()
 
     def eval_step(self, *args, **kwargs) -> torch.Tensor:
         """The loss of one batch as ``train_step`` weighs it (the mean over every counted token

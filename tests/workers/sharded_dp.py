@@ -2,6 +2,7 @@
 unmodified model's, and what each rank holds."""
 import copy
 import math
+import weakref
 
 import torch
 
@@ -116,6 +117,7 @@ def gather_counts(rank, world, kw):
     rank's graph (its recomputed regions' included) and the all-gathers one step makes, in the
     forward alone (``eval_step``) and in a whole ``train_step``."""
     import fxmegatron
+    from fxmegatron.ops import dp_gather
     from fxmegatron.ops.dp_gather import unshard
     from fxmegatron.ops.groups import ProcessGroupComm
     from fxmegatron.passes.recompute import Recomputed
@@ -128,17 +130,29 @@ def gather_counts(rank, world, kw):
     groups = {".".join(n.split(".")[:2]) if n.startswith("blocks.") else n for n, _ in model.named_parameters()}
     calls = [0]
     old = ProcessGroupComm.all_gather
+    # eager: the whole parameters alive (elements) right after each gather, forward or backward
+    live, peak, sizes = [], [0], []
+    gather = dp_gather._gather
 
     def counted(self, x):
         calls[0] += 1
         return old(self, x)
 
+    def watched(shards, world, group_name):
+        out = gather(shards, world, group_name)
+        sizes.append(sum(t.numel() for t in out))
+        live.extend(weakref.ref(t) for t in out)
+        peak[0] = max(peak[0], sum(r().numel() for r in live if r() is not None))
+        return out
+
     ProcessGroupComm.all_gather = counted
+    if not kw.get("compile"):       # compiled, the gathers are inside the graph, not calls of _gather
+        dp_gather._gather = watched
     try:
         pm.eval_step(b)
         forward = calls[0]
         pm.train_step(b)
     finally:
-        ProcessGroupComm.all_gather = old
+        ProcessGroupComm.all_gather, dp_gather._gather = old, gather
     return {"nodes": nodes, "groups": len(groups), "forward": forward, "step": calls[0] - forward,
-            "blocks": 2}
+            "blocks": 2, "peak_whole": peak[0] if sizes else None, "largest_group": max(sizes, default=0)}
