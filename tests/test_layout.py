@@ -55,7 +55,8 @@ VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}
 # not change it; the run fields are parallelize's; dp_shard: not counted yet (docs/TRAINING.md)
 PLAN_LEFT_OUT = {"fuse", "dp_shard", "compile", "tp_comm_overlap", "tp_comm_transport", "precision", "fp8_recipe",
                  "fp8_policy", "chunked", "state_dict", "seed", "verbose", "verify", "min_split"}
-PLAN_OTHER_KEYWORDS = {"param_dtype", "optimizer", "device", "picture", "layout"}
+# dp_shard: a keyword of plan_run that scales the bytes per rank, not a field the plan builds its graph with
+PLAN_OTHER_KEYWORDS = {"param_dtype", "optimizer", "device", "picture", "layout", "dp_shard"}
 
 
 def _diff(surface: set, expected: set, what: str) -> str:
