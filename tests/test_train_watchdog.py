@@ -1,5 +1,5 @@
 """fxmegatron.train.watchdog: a job whose rank raises, dies or stalls ends on every rank within
-60 s, with a line naming the rank and the step; a healthy job (slow first step included) is
+30 s of the fault, with a line naming the rank and the step; a healthy job (slow first step included) is
 left alone; check_finite.
 
 The multi-process jobs (tests/workers/watchdog_job.py, 4 gloo ranks, timeout 5 s) all start
@@ -25,7 +25,8 @@ from fxmegatron.train.watchdog import _secondary, check_finite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "workers", "watchdog_job.py")
-LIMIT_S = 60          # every faulty job must be over by then, from its launch
+LIMIT_S = 30          # every faulty job must be over by then, from its fault (its launch on a
+                      # loaded 2-core machine alone has taken 58 s, so the launch is not counted)
 BACKSTOP_S = 150      # a hung job is killed here, so a failing test does not hang CI
 WATCH = ["--timeout", "5", "--poll", "0.5"]
 
@@ -143,9 +144,10 @@ def _ours(out):
 def _faulty(jobs, name, *expected):
     code, out, wall, after_fault = jobs[name].result()
     log = out[-6000:]
+    assert after_fault is not None, ("the job never printed its fault line", log)
     print(f"\n{name}: over {wall:.1f} s after launch, {after_fault:.1f} s after the fault", end=" ")
     assert code != 0, log
-    assert wall < LIMIT_S, (wall, log)
+    assert after_fault < LIMIT_S, (after_fault, log)
     lines = _ours(out)
     for e in expected:
         assert any(e in l for l in lines), (e, log)
