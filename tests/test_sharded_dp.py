@@ -14,7 +14,6 @@ from tests.workers.sharded_dp import shard_parity
 LAYOUTS = {"dp2": {"dp": 2}, "dp2-small": {"dp": 2}, "dp4": {"dp": 4}, "dp2-tp2": {"dp": 2, "tp": 2},
            "dp2-pp2": {"dp": 2, "pp": 2}, "dp2-cp2": {"dp": 2, "cp": 2}}
 KW = {"dp2-pp2": {"microbatches": 2, "virtual_stages": 2}}
-NAMES = ("gpt", "gpt2", "llama", "mixtral")     # bundled; HF tied, untied GQA, MoE
 
 
 def _check(per_rank, world):
@@ -36,8 +35,8 @@ def test_sharded_optimizer_steps_match(layout):
     world = 1
     for v in dims.values():
         world *= v
-    # the HF families at dp2, the bundled GPT and the MoE under tp; GPT-2's tied embedding across pp
-    names = {"dp2": NAMES[1:], "dp2-tp2": ("gpt", "mixtral")}.get(layout, ("gpt2",))
+    # HF tied and MoE at dp2, the bundled GPT and HF untied GQA under tp; GPT-2's tied embedding across pp
+    names = {"dp2": ("gpt2", "mixtral"), "dp2-tp2": ("gpt", "llama")}.get(layout, ("gpt2",))
     small = layout.endswith("small")
     per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, KW.get(layout), small)
     _check(per_rank, world)
