@@ -87,7 +87,9 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     bucket of gradients is reduce-scattered over those ranks as soon as backward has finished
     it, each rank keeps fp32 masters, m and v for its share, and its optimizer step
     all-gathers the updated parameters; build the optimizer with ``pm.adamw(...)``; see
-    ``fxmegatron.runtime.sharded_dp``) or "full" (ZeRO-3: every parameter a flat shard per rank,
+    ``fxmegatron.runtime.sharded_dp``) or "gradients" (ZeRO-2: the same, and a bucket is
+    reduce-scattered after every microbatch, its pieces summed, so no whole gradient outlives
+    its bucket) or "full" (ZeRO-3: every parameter a flat shard per rank,
     each block's gathered by one graph node before it and again for the backward, gradients
     reduce-scattered by autograd; ``passes.dp_shard``; not with pipeline parallelism).
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the

@@ -119,8 +119,7 @@ class Layout:
                 raise PrecisionError("parallelize(precision='fp8', verify=True): verify compares with the model in "
                                      "eager, which runs no FP8: verify the layout without fp8")
         if self.dp_shard not in DP_SHARD_MODES:
-            later = " ('gradients' is not built yet)" if self.dp_shard == "gradients" else ""
-            raise ShardingError(f"parallelize(dp_shard={self.dp_shard!r}): expected one of {DP_SHARD_MODES}{later}")
+            raise ShardingError(f"parallelize(dp_shard={self.dp_shard!r}): expected one of {DP_SHARD_MODES}")
         if self.dp_shard == "full" and (self.pp > 1 or self.chunked or self.virtual_stages > 1):
             raise ShardingError(f"parallelize(dp_shard='full', pp={self.pp}): fully sharded parameters inside pipeline "
                                 "stages are not built yet: use dp_shard='optimizer' with pipeline parallelism")

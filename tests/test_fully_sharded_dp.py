@@ -57,8 +57,6 @@ def test_a_block_is_gathered_once_forward_and_again_for_the_backward(kw):
 def test_full_sharding_is_refused_where_not_built():
     with pytest.raises(ShardingError, match="not built yet: use dp_shard='optimizer' with pipeline"):
         Layout(dp=2, pp=2, dp_shard="full")
-    with pytest.raises(ShardingError, match="'gradients' is not built yet"):
-        Layout(dp_shard="gradients")
     with pytest.raises(ShardingError, match=r"dp_shard='full', precision='fp8'\): not tested together yet"):
         Layout(dp=2, dp_shard="full", precision="fp8")
     with pytest.raises(ShardingError, match=r"dp_shard='full', tp_comm_overlap=2\): not tested together yet"):

@@ -196,13 +196,16 @@ def test_cp2_halves_the_activations_not_the_parameters():
 
 
 def test_sharded_data_parallelism_divides_what_each_mode_shards():
-    """dp_shard: "optimizer" counts 1/(dp·cp) of the optimizer's state per rank, "full" of the
-    parameters and gradients too; activations are the same."""
+    """dp_shard: "optimizer" counts 1/(dp·cp) of the optimizer's state per rank, "gradients" of
+    the gradients too, "full" of the parameters as well; activations are the same."""
+    modes = ("none", "optimizer", "gradients", "full")
     plans = {m: plan_run(gpt(), gpt_batch(4), dp=2, cp=2, param_dtype=torch.bfloat16, optimizer="fused_adamw",
-                         device="cpu", dp_shard=m) for m in ("none", "optimizer", "full")}
-    none, opt, full = (plans[m].stages[0] for m in ("none", "optimizer", "full"))
+                         device="cpu", dp_shard=m) for m in modes}
+    none, opt, grads, full = (plans[m].stages[0] for m in modes)
     assert opt.optimizer_bytes == -(-none.optimizer_bytes // 4) and opt.param_bytes == none.param_bytes
     assert opt.grad_bytes == none.grad_bytes
+    assert (grads.optimizer_bytes, grads.param_bytes) == (opt.optimizer_bytes, none.param_bytes)
+    assert grads.grad_bytes == -(-none.grad_bytes // 4)
     assert full.optimizer_bytes == opt.optimizer_bytes
     assert full.param_bytes == -(-none.param_bytes // 4) and full.grad_bytes == -(-none.grad_bytes // 4)
     assert full.activation_bytes == none.activation_bytes

@@ -1,7 +1,7 @@
 """``fxmegatron train`` with ``layout.dp_shard = "optimizer"`` (fp32, gloo, CPU): the losses of the
 unsharded dp2 run (to rounding: the gradient norm sums its squares in another order), its
 checkpoints written from every rank's share, and loaded bit for bit by the same layout and, to
-rounding, by one process without sharding."""
+rounding, by one process without sharding and by dp_shard = "gradients" over two microbatches."""
 import pytest
 
 from fxmegatron.train.checkpoints import step_dir
@@ -42,9 +42,11 @@ def test_sharded_optimizer_trains_saves_and_loads_at_another_layout(tmp_path):
     r = train(config(tmp_path, "again", {"dp": 2, "dp_shard": "optimizer"}, resume=ck), 2)
     assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout[-3000:]
     assert losses(tmp_path / "again", 4) == sharded[3:]     # the whole optimizer state came back, bit for bit
-    r = train(config(tmp_path, "one", {"dp": 1}, resume=ck), 1)
-    assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout[-3000:]
-    assert losses(tmp_path / "one", 4) == pytest.approx(sharded[3:], rel=1e-5)
+    for name, layout, world in (("one", {"dp": 1}, 1),
+                                ("grads", {"dp": 2, "dp_shard": "gradients", "microbatches": 2}, 2)):
+        r = train(config(tmp_path, name, layout, resume=ck), world)
+        assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout[-3000:]
+        assert losses(tmp_path / name, 4) == pytest.approx(sharded[3:], rel=1e-5), name
 
 
 def test_fully_sharded_saves_at_dp4_and_loads_at_dp2_optimizer_and_one_process(tmp_path):

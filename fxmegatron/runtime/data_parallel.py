@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from fxmegatron.errors import ReplicaError, ShardingError
 from fxmegatron.lower.materialize import weight_digest
-from fxmegatron.runtime.sharded_dp import reduce_scatter_bucket, segments
+from fxmegatron.runtime.sharded_dp import all_gather, bucket_layout, reduce_scatter_bucket, segments
 
 
 class GradSync:
@@ -34,12 +34,20 @@ class GradSync:
 
     def __init__(self, params: Sequence[nn.Parameter], uses: Dict[int, int], group, world: int,
                  bucket_mb: float = 25.0, divisor: Optional[int] = None, shard: bool = False,
-                 rank: int = 0, alone: Collection[int] = ()):
+                 rank: int = 0, alone: Collection[int] = (), every_microbatch: bool = False,
+                 sum_dtype: Optional[torch.dtype] = None):
         self.group, self.world, self.rank = group, world, rank
         self.divisor = world if divisor is None else divisor
         # shard: each bucket reduce-scattered (``runtime.sharded_dp``): this rank keeps its piece in
         # ``pieces[b]`` and the full gradients are dropped once their bucket is launched
         self.shard = shard
+        # every_microbatch (``dp_shard="gradients"``, ZeRO-2): a bucket is reduce-scattered each time
+        # its parameters have all had another microbatch's accumulations, and the pieces are summed
+        # here (in ``sum_dtype``, default the gradients'), so no whole gradient outlives its bucket's
+        # launch; without it a bucket waits for the step's last accumulation (one launch a step)
+        self.every_microbatch = shard and every_microbatch
+        self.sum_dtype = sum_dtype
+        self.alone = frozenset(alone)
         self.params = [p for p in params if p.requires_grad]
         self.uses = uses                      # id(param) -> accumulations per microbatch
         # backward visits parameters roughly in reverse: fill buckets from the end; under sharding
@@ -67,20 +75,26 @@ class GradSync:
         self._count: Dict[int, int] = {}
         self._ready: List[int] = [0] * len(self.buckets)
         self._work: List[Optional[tuple]] = [None] * len(self.buckets)
+        self._sums: List[Optional[torch.Tensor]] = [None] * len(self.buckets)   # every_microbatch's pieces
+        self._launches = [0] * len(self.buckets)
+        self._in_flight: List[tuple] = []        # every_microbatch: (bucket, piece, work, flat), oldest first
         self.active = False
         self.launched_in_backward = 0     # buckets reduced while backward was still running (last step)
 
     def start(self, microbatches: int) -> None:
         """Arm for one step of ``microbatches``."""
         if self.shard and any(x is not None for x in self.pieces):
-            raise ShardingError("train_step under dp_shard='optimizer' while the last step's reduced gradients are "
-                                "still waiting for the optimizer: build it with pm.adamw(...) (an optimizer over "
+            raise ShardingError("train_step under dp_shard='optimizer' or 'gradients' while the last step's "
+                                "reduced gradients are still waiting for the optimizer: build it with pm.adamw(...) (an optimizer over "
                                 "pm.parameters() sees no gradients: each rank keeps only its share of them) and call "
                                 "its step() between train_steps")
         self._expected = {id(p): microbatches * self.uses.get(id(p), 1) for p in self.params}
         self._count = {id(p): 0 for p in self.params}
         self._ready = [0] * len(self.buckets)
         self._work = [None] * len(self.buckets)
+        self._sums = [None] * len(self.buckets)
+        self._launches = [0] * len(self.buckets)
+        self._in_flight = []
         self.launched_in_backward = 0
         self.active = self.world > 1
 
@@ -89,32 +103,74 @@ class GradSync:
             return
         k = id(p)
         self._count[k] += 1
-        if self._count[k] == self._expected[k]:
-            b = self.bucket_of[k]
-            self._ready[b] += 1
-            if self._ready[b] == len(self.buckets[b]):
-                self._launch(b)
-                self.launched_in_backward += 1
+        b = self.bucket_of[k]
+        if self.every_microbatch:
+            # a parameter's level: the microbatches it has finished. The bucket goes when all of its
+            # parameters are past its last launch; any split of the accumulations into launches
+            # sums to the same, each accumulation being reduced once
+            if self._level(p) != self._launches[b] + 1 or self._count[k] % self.uses.get(k, 1):
+                return
+        elif self._count[k] != self._expected[k]:
+            return
+        self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b]):
+            self._launch(b)
+            self.launched_in_backward += 1
+
+    def _level(self, p: nn.Parameter) -> int:
+        return self._count[id(p)] // self.uses.get(id(p), 1)
 
     def _launch(self, b: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
-        if self.shard:
-            piece, work, flat = reduce_scatter_bucket(grads, self.world, self.group)
-            self._work[b] = (piece, work, flat)
-            for p in self.buckets[b]:       # what the optimizer reads is the piece
-                p.grad = None
+        bucket = self.buckets[b]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        if not self.shard:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._work[b] = (flat, dist.all_reduce(flat, group=self.group, async_op=True), None)
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._work[b] = (flat, dist.all_reduce(flat, group=self.group, async_op=True), None)
+        piece, work, flat = reduce_scatter_bucket(grads, self.world, self.group)
+        for p in bucket:       # what the optimizer reads is the piece
+            p.grad = None
+        if not self.every_microbatch:
+            self._work[b] = (piece, work, flat)
+            return
+        # a parameter ahead of the others has its microbatches summed in this launch already
+        self._launches[b] = max(self._launches[b] + 1, min(self._level(p) for p in bucket))
+        self._ready[b] = sum(self._level(p) > self._launches[b] for p in bucket)
+        self._in_flight.append((b, piece, work, flat))
+        # at most two launches in flight: the whole gradient each holds is freed when it is summed
+        while len(self._in_flight) > 2:
+            self._retire()
+
+    def _retire(self) -> None:
+        b, piece, work, _ = self._in_flight.pop(0)
+        work.wait()
+        dtype = self.sum_dtype or piece.dtype
+        if self._sums[b] is None:
+            self._sums[b] = piece if piece.dtype == dtype else piece.to(dtype)
+        else:
+            self._sums[b].add_(piece)
 
     def finish(self) -> None:
         """Launch the buckets still waiting, wait for all, write the averages into ``.grad``
         (under sharding: into this rank's ``pieces``)."""
         if not self.active:
             return
-        for b in range(len(self.buckets)):
-            if self._work[b] is None:
+        for b, bucket in enumerate(self.buckets):
+            if self.every_microbatch:       # gradients not yet launched, or a bucket that got none at all
+                if self._sums[b] is None and not any(x[0] == b for x in self._in_flight) or any(
+                        p.grad is not None for p in bucket):
+                    self._launch(b)
+            elif self._work[b] is None:
                 self._launch(b)
+        if self.every_microbatch:
+            while self._in_flight:
+                self._retire()
+            for b, flat in enumerate(self._sums):
+                dtype = self.buckets[b][0].dtype
+                self.pieces[b] = (flat if flat.dtype == dtype else flat.to(dtype)).div_(self.divisor)
+            self._sums = [None] * len(self.buckets)
+            self.active = False
+            return
         for b, (flat, work, _) in enumerate(self._work):
             work.wait()
             if self.divisor != 1:
@@ -138,6 +194,18 @@ class GradSync:
         """id(param) -> this rank's piece of its bucket, for the parameters alone in theirs."""
         return {id(b[0]): self.pieces[i] for i, b in enumerate(self.buckets)
                 if len(b) == 1 and self.pieces[i] is not None}
+
+    def whole_grads(self) -> Dict[int, torch.Tensor]:
+        """id(param) -> its whole reduced gradient, put together from every rank's pieces
+        (collective over the group)."""
+        out = {}
+        for piece, bucket in zip(self.pieces, self.buckets):
+            if piece is not None:
+                flat = piece.new_empty(piece.numel() * self.world)
+                all_gather(flat, piece, self.group)
+                offsets, _ = bucket_layout([p.numel() for p in bucket], self.world)
+                out.update({id(p): flat[o:o + p.numel()].view_as(p) for p, o in zip(bucket, offsets)})
+        return out
 
     def named_pieces(self, names: Dict[int, str]) -> List[Tuple[str, torch.Tensor]]:
         """(parameter name, this rank's reduced segment of it) for every segment (``names``:

@@ -23,7 +23,7 @@ from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad
 from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
 from fxmegatron.runtime.logits import LogitsForward
 from fxmegatron.runtime.microbatches import loss_weights, split_batch
-from fxmegatron.runtime.sharded_dp import sum_shared_pieces
+from fxmegatron.runtime.sharded_dp import SHARDED_OPTIMIZER, sum_shared_pieces
 from fxmegatron.runtime.whole_tensors import WholeTensors
 from fxmegatron.lower.materialize import DIGESTS
 from fxmegatron.ops.dp_gather import regather_in_backward
@@ -81,18 +81,21 @@ class ParallelModel(WholeTensors, nn.Module):
         # holds the rounded fp32 sum
         self._grad_accum: Optional[Fp32GradAccumulator] = None
         self._grad_sync: Optional[GradSync] = None
-        if grad_accum_dtype is not None and (self.microbatches > 1 or any(v > 1 for v in uses.values())):
-            self._grad_accum = Fp32GradAccumulator(list(self.parameters()), uses)
         sync = ax.get("dp_cp", ax["dp"])        # dp, or dp × cp under context parallelism
         # dp_shard: the optimizer's state sharded over those ranks (runtime.sharded_dp); at one rank
         # there is nothing to shard
         self.dp_shard = dp_shard if sync.size > 1 else "none"
+        # "gradients" sums the reduced pieces over microbatches itself, in grad_accum_dtype
+        if grad_accum_dtype is not None and (self.microbatches > 1 or any(v > 1 for v in uses.values())) \
+                and self.dp_shard != "gradients":
+            self._grad_accum = Fp32GradAccumulator(list(self.parameters()), uses)
         # "full": the parameters are shards and autograd reduce-scatters their gradients (passes.dp_shard)
         if sync.size > 1 and self.dp_shard != "full":
             shared = pipe.stage.shared if pipe is not None else {}
             alone = {id(p) for n, p in self.named_parameters() if n in shared}
             self._grad_sync = GradSync(list(self.parameters()), uses, sync.group, sync.size, divisor=self.dp_size,
-                                       shard=self.dp_shard != "none", rank=sync.rank, alone=alone)
+                                       shard=self.dp_shard != "none", rank=sync.rank, alone=alone,
+                                       every_microbatch=self.dp_shard == "gradients", sum_dtype=grad_accum_dtype)
         if dist.is_initialized():
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
                                pipe.stage.shared if pipe is not None else (),
@@ -127,6 +130,11 @@ class ParallelModel(WholeTensors, nn.Module):
     def placement(self, name: str) -> Placement:
         """How parameter ``name`` (original model's name) is split over tp."""
         return self.program.placement(name)
+
+    @property
+    def grad_sync(self) -> Optional[GradSync]:
+        """The data-parallel gradient reduction (None at one dp·cp rank and under "full")."""
+        return self._grad_sync
 
     @property
     def dp_group(self):
@@ -188,7 +196,7 @@ class ParallelModel(WholeTensors, nn.Module):
             self._grad_sync.finish()
         if self._runner is not None:
             pipe, pp = self.program.pipeline, self.program.axes["pp"]
-            if self.dp_shard == "optimizer":
+            if self.dp_shard in SHARDED_OPTIMIZER:
                 sum_shared_pieces(pipe.stage.params, pipe.stage.shared, self._grad_sync.piece_of(),
                                   self._grad_sync.world, pp, self.program.device)
             else:
@@ -345,7 +353,7 @@ class ParallelModel(WholeTensors, nn.Module):
         on the unmodified model computes it (fp32, on the device, no host sync). Collective over
         tp and pp (every rank must call it)."""
         sync = self.program.axes.get("dp_cp", self.program.axes["dp"])
-        if self.dp_shard == "optimizer":      # each rank holds its pieces' sum; the squares add up over the group
+        if self.dp_shard in SHARDED_OPTIMIZER:      # each rank holds its pieces' sum; the squares add up over the group
             named = self._grad_sync.named_pieces({id(p): n for n, p in self.named_parameters()})
             return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
                              partial_over=sync)
@@ -355,14 +363,14 @@ class ParallelModel(WholeTensors, nn.Module):
 
     def adamw(self, params=None, **hyper):
         """The optimizer for this rank: ``fxmegatron.optim.FusedAdamW`` over ``params`` (this
-        rank's parameters, or groups of them; default all), or under ``dp_shard="optimizer"`` a
+        rank's parameters, or groups of them; default all), or under ``dp_shard="optimizer"`` (or "gradients") a
         ``ShardedAdamW`` holding this rank's share of its state (``step`` then also all-gathers
         the updated parameters). Under ``dp_shard="full"`` the parameters are shards already: a
         ``FusedAdamW`` over them. ``hyper``: ``lr``, ``betas``, ``eps``, ``weight_decay``."""
         from fxmegatron.optim import FusedAdamW
         from fxmegatron.optim.sharded_adamw import ShardedAdamW
         params = list(self.parameters()) if params is None else params
-        if self.dp_shard == "optimizer":
+        if self.dp_shard in SHARDED_OPTIMIZER:
             return ShardedAdamW(self._grad_sync, params, **hyper)
         return FusedAdamW(params, **hyper)
 
@@ -373,7 +381,7 @@ class ParallelModel(WholeTensors, nn.Module):
         ``fxmegatron.optim.FusedAdamW``, ``opt.step(clip_coefficient(pm.grad_norm(), max_norm))``
         does the same without this pass over the gradients."""
         from fxmegatron.optim import clip_coefficient
-        if self.dp_shard == "optimizer":
+        if self.dp_shard in SHARDED_OPTIMIZER:
             raise ValueError(f"clip_grad_norm_ under dp_shard={self.dp_shard!r}: the whole gradients are gone once "
                              "reduced; pass the clip coefficient to the optimizer: "
                              "opt.step(clip_coefficient(pm.grad_norm(), max_norm))")

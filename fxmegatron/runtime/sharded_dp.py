@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from fxmegatron.mesh import Axis
 
-DP_SHARD_MODES = ("none", "optimizer", "full")
+DP_SHARD_MODES = ("none", "optimizer", "gradients", "full")
+SHARDED_OPTIMIZER = ("optimizer", "gradients")      # the modes whose optimizer is ShardedAdamW over pieces
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ import torch
 
 from fxmegatron.ops.dp_gather import take_shard, whole
 from fxmegatron.runtime.gather import gather_layout, gather_stages
-from fxmegatron.runtime.sharded_dp import all_gather
+from fxmegatron.runtime.sharded_dp import SHARDED_OPTIMIZER, all_gather
 
 
 class WholeTensors:
-    """What ``ParallelModel`` gathers; it sets ``program``, ``dp_shard`` and ``pp_size``."""
+    """What ``ParallelModel`` gathers; it sets ``program``, ``dp_shard``, ``pp_size`` and
+    ``grad_sync``."""
 
     def param_dims(self, name: str) -> int:
         """How many dims parameter ``name`` has in the unmodified model (a rule such as "no weight
@@ -61,7 +62,10 @@ class WholeTensors:
 
     def full_grads(self) -> Dict[str, torch.Tensor]:
         """Whole gradients of this rank's parameters (collective over tp, and over dp × cp under
-        ``dp_shard="full"``)."""
+        a ``dp_shard`` mode: the reduced ones, from every rank's pieces or shards)."""
         ax, layout = self.program.axes, self.program.param_layout
-        return {n: gather_layout(self.whole_local(n, p.grad), layout(n), ax) for n, p in self.named_parameters()
-                if p.grad is not None}
+        grads = {n: p.grad for n, p in self.named_parameters() if p.grad is not None}
+        if self.dp_shard in SHARDED_OPTIMIZER:
+            whole = self.grad_sync.whole_grads()
+            grads = {n: whole[id(p)] for n, p in self.named_parameters() if id(p) in whole}
+        return {n: gather_layout(self.whole_local(n, g), layout(n), ax) for n, g in grads.items()}

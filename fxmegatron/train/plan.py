@@ -139,7 +139,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     context parallelism, the graph of cp rank 0 (its two chunks of the sequence; every cp rank
     holds as much), with ``cp_attention``. ``layout``: a ``Layout`` in place of the layout's
     keywords (dp, pp, tp, cp and the options). ``dp_shard`` (or the layout's): what the dp·cp
-    ranks shard, "optimizer" (its state / (dp·cp)) or "full" (parameters and gradients too;
+    ranks shard, "optimizer" (its state / (dp·cp)), "gradients" (gradients too) or "full" (parameters as well;
     the transient gathered block is left out, as the caveat says of gathers)."""
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
@@ -192,8 +192,10 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     shards = dp * cp if dp_shard != "none" else 1
     for st in stages:       # each rank's share (the padding of each piece left out)
         st.optimizer_bytes = -(-st.optimizer_bytes // shards)
+        if dp_shard in ("gradients", "full"):
+            st.grad_bytes = -(-st.grad_bytes // shards)
         if dp_shard == "full":
-            st.param_bytes, st.grad_bytes = -(-st.param_bytes // shards), -(-st.grad_bytes // shards)
+            st.param_bytes = -(-st.param_bytes // shards)
     tied = {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
     notes = [f"parameter {n} is split unevenly over tp={tp}: tp rank 0 does not speak for the others"
              for n, plc in placements.items() if isinstance(plc, Shard) and not _even(cap.params[n].shape, plc, tp)]
@@ -292,6 +294,7 @@ def _format(p: RunPlan) -> List[str]:
            f"optimizer {p.optimizer} ({OPTIMIZER_NOTES[p.optimizer]}); gradients {dt}"
            + (" + fp32 sums over the microbatches" if p.grad_accum_dtype is not None else "")
            + ({"optimizer": f"; dp_shard optimizer: its state split over dp·cp = {p.dp * p.cp} ranks",
+               "gradients": f"; dp_shard gradients: gradients and optimizer state split over dp·cp = {p.dp * p.cp}",
                "full": f"; dp_shard full: parameters, gradients and optimizer state split over dp·cp = "
                        f"{p.dp * p.cp} ranks (a block's whole parameters gathered besides)"}.get(p.dp_shard, "")),
            ""]

@@ -81,7 +81,7 @@ def clip_parity(rank, world, layout, name="gpt", steps=3, max_norm=0.05):
     return out
 
 
-def grad_accum_errors(rank, world, layout, microbatches, n_layer=4, batch_size=16):
+def grad_accum_errors(rank, world, layout, microbatches, n_layer=4, batch_size=16, dp_shard="none"):
     """The first step's gradients of a bf16 model at (dp, pp, tp) = layout over ``microbatches``,
     accumulated by autograd (bf16) and in fp32 (``grad_accum_dtype``), each against the
     unmodified model in float64: {accumulation: ||g - g64|| / ||g64|| over all parameters}."""
@@ -95,11 +95,11 @@ def grad_accum_errors(rank, world, layout, microbatches, n_layer=4, batch_size=1
     out = {}
     for accum in (None, torch.float32):
         pm = fxmegatron.parallelize(copy.deepcopy(model).to(torch.bfloat16), mesh, b, microbatches=microbatches,
-                                    grad_accum_dtype=accum)
+                                    grad_accum_dtype=accum, dp_shard=dp_shard)
         pm.train_step(b)
         full = pm.full_grads()
         num = sum(((full[n].double() - p.grad) ** 2).sum().item() for n, p in ref.named_parameters() if n in full)
         den = sum((p.grad ** 2).sum().item() for n, p in ref.named_parameters() if n in full)
-        missing = [n for n, p in pm.named_parameters() if p.grad is None]
+        missing = [n for n, _ in pm.named_parameters() if n not in full]
         out[str(accum)] = {"err": (num / den) ** 0.5, "n": len(full), "missing": missing}
     return out

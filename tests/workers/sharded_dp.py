@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from fxmegatron.runtime.sharded_dp import padded_numel
 from tests import models
 
 
@@ -53,8 +54,10 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
             old = pm._grad_sync
             old.remove()
             pm._grad_sync = GradSync(old.params, old.uses, old.group, old.world, bucket_mb=0.02, divisor=old.divisor,
-                                     shard=True, rank=old.rank)
+                                     shard=True, rank=old.rank, alone=old.alone, every_microbatch=old.every_microbatch,
+                                     sum_dtype=old.sum_dtype)
             chunk = {"chunk_mb": 0.05}
+        held = _watch_gradients(pm) if pm.program.pipeline is None else None
         opt = pm.adamw(_groups(pm.named_parameters(), lambda n, p: pm.param_dims(n)), lr=1e-3, **chunk)
         opt_ref = torch.optim.AdamW(_groups(ref.named_parameters()), lr=1e-3)
         losses, losses_ref, norms, norms_ref = [], [], [], []
@@ -91,7 +94,31 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
                      "noise": sum(int((g <= 1e-6 * top).sum()) for g in grad_max.values()),
                      "whole_numel": whole, "n_params": len(list(pm.parameters())), "buckets": len(pm._grad_sync.buckets) if pm._grad_sync else 0,
                      "chunks": len(getattr(opt, "chunks", ()))}
+        if held is not None:
+            sync = pm._grad_sync
+            out[name].update(held, sums_expected=sum(padded_numel(b, world) // world * b[0].element_size()
+                                                     for b in sync.buckets))
     return out
+
+
+def _watch_gradients(pm):
+    """At the start of every forward of a microbatch but a step's first: the bytes of whole
+    gradients in ``.grad`` (the most seen), the launches in flight and the bytes of reduced
+    pieces summed so far (``dp_shard="gradients"``)."""
+    seen = {"whole_grad_bytes": 0, "in_flight": 0, "sums_bytes": 0, "boundaries": 0}
+    sync = pm._grad_sync
+
+    def look(*_):
+        if not sync.active or not any(sync._count.values()):       # a step's first microbatch
+            return
+        seen["boundaries"] += 1
+        seen["whole_grad_bytes"] = max(seen["whole_grad_bytes"], sum(p.grad.numel() * p.grad.element_size()
+                                                                     for p in pm.parameters() if p.grad is not None))
+        seen["in_flight"] = max(seen["in_flight"], len(sync._in_flight))
+        seen["sums_bytes"] = max(seen["sums_bytes"], sum(t.numel() * t.element_size() for t in sync._sums
+                                                         if t is not None))
+    pm.graph_module.register_forward_pre_hook(look)
+    return seen
 
 
 def wrong_optimizer(rank, world):
