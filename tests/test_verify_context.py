@@ -39,6 +39,16 @@ def test_cp_layouts_are_exact(name, tp, sp, variant):
     assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * abs(report.loss_ref), report
 
 
+def test_a_replica_with_no_counted_token_adds_nothing_under_cp():
+    """dp2 × cp2: verify masks every label of the last replica's batch. Its mean is 0/0 and weighted
+    0; the cp rewrite's division by the cp ranks' count gave its gradient 0 · 1/0 = NaN, which
+    the fused cross-entropy's backward (the GPU's, here Triton's interpreter) spread over every
+    row and every parameter."""
+    fam = FAMILIES["llama"]
+    report = fxmegatron.verify(fam.build(n_layer=2), make_batch(fam, seed=0, batch_size=8), tp=1, dp=2, cp=2)
+    assert report.layout == "tp=1 dp=2 cp=2" and report.max_grad_err < 1e-4, str(report)
+
+
 def test_cli_checks_cp_layouts(capsys):
     from fxmegatron.cli import main as cli_main
     rc = cli_main(["verify", "--factory", "tests/factories/gpt_small.py:build", "--tp", "2", "--cp", "2"])

@@ -49,7 +49,13 @@ def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, gro
         node.args, node.kwargs = tuple(args), kw
         users = list(node.users)
         count = _call(gm, cp_count, (node.args[1], ignore, group_name), node, after=node)
-        mean = _call(gm, aten.div.Tensor, (node, count), node, after=count)
+        # no counted token on any cp rank (a microbatch whose answers were all cut away): the
+        # mean is NaN, as ATen's 0/0, but its gradient 0 for the step that weights it 0, not
+        # 0 · 1/0 (which the fused cross-entropy's backward would carry into every row)
+        safe = _call(gm, aten.clamp_min.default, (count, 1), node, after=count)
+        quotient = _call(gm, aten.div.Tensor, (node, safe), node, after=safe)
+        counted = _call(gm, aten.gt.Scalar, (count, 0), node, after=quotient)
+        mean = _call(gm, aten.where.ScalarOther, (counted, quotient, float("nan")), node, after=counted)
         for u in users:
             u.replace_input_with(node, mean)
     for node, k in plan.mean_divisor.items():
