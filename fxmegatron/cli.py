@@ -36,6 +36,7 @@ import time
 
 from fxmegatron.factory import load_factory
 from fxmegatron.layout import CP_ATTENTIONS, RECOMPUTE_MODES, SCHEDULE_NAMES, Layout
+from fxmegatron.runtime.sharded_dp import DP_SHARD_MODES
 
 
 # the options a stage folder is written for: its stage.py is the generated source of plain ATen
@@ -144,6 +145,8 @@ def verify_main(argv):
     ap.add_argument("--cp-attention", default="ring", choices=CP_ATTENTIONS)
     ap.add_argument("--sequence-parallel", default="off", choices=["off", "on", "both"])
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
+    ap.add_argument("--dp-shard", default="none", choices=DP_SHARD_MODES,
+                    help="what the dp (and cp) ranks shard; 'full' is simulated with every rank's shards")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if (args.config is None) == (args.factory is None):
@@ -169,7 +172,7 @@ def verify_main(argv):
                     lay = Layout(tp=tp, pp=pp, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
                                  dp=args.dp, sequence_parallel=sp, recompute=args.recompute, schedule=args.schedule,
                                  blocks_per_chunk=args.blocks_per_chunk, seed=args.seed, cp=args.cp,
-                                 cp_attention=args.cp_attention)
+                                 cp_attention=args.cp_attention, dp_shard=args.dp_shard)
                     print(verify(copy.deepcopy(model), batch, layout=lay), flush=True)
                 except FxMegatronError as exc:
                     failed += 1

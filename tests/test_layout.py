@@ -47,7 +47,7 @@ COMPILE_OTHER_FLAGS = {"factory", "out", "seed"}
 # verify simulates dp, pp, cp and tp ranks in one process on the CPU: the kernels (fuse, compile),
 # fp8 (which eager does not run), tp_comm_overlap and dp_shard (the optimizer's state sharded:
 # not simulated yet) have no simulated form; the run fields but seed are parallelize's
-VERIFY_NOT_SIMULATED = {"fuse", "dp_shard", "compile", "tp_comm_overlap", "tp_comm_transport",
+VERIFY_NOT_SIMULATED = {"fuse", "compile", "tp_comm_overlap", "tp_comm_transport",
                         "precision", "fp8_recipe", "fp8_policy", "grad_accum_dtype", "chunked", "state_dict",
                         "verbose", "verify", "min_split"}
 VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}

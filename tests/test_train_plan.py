@@ -3,9 +3,9 @@ the activation estimate on meta matches the bytes a real run saves for backward,
 microbatches in flight are the schedule's."""
 import os
 import re
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -176,15 +176,18 @@ def test_plan_keeps_the_schedules_microbatches_in_flight(schedule, expected):
 # ---- the 8B dry run -----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_llama8b_dry_run_under_30_s():
-    t0 = time.perf_counter()
+    """Timed by the child's CPU seconds, not the wall clock: on a 2-core machine busy with other
+    tests the wall time of the same run has reached 50 s."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([sys.executable, "-m", "fxmegatron.train.plan", "--llama8b", "--pp", "4", "--tp", "2",
                           "--microbatches", "8", "--seq", "8192"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
-    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "8,030,261,248 parameters" in out.stdout
     rss = float(re.search(r"peak RSS of this process: ([\d.]+) GiB", out.stdout).group(1))
-    assert wall < 30 and rss < 4, (wall, rss)
+    assert cpu < 30 and rss < 4, (cpu, rss)
 
 
 def test_cp2_halves_the_activations_not_the_parameters():

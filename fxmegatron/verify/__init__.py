@@ -33,9 +33,16 @@ With context parallelism (``cp``), every cp × tp rank of a replica runs (``run_
 simulated tp group per cp rank, a cp group per tp rank, ``cp_attention``'s exchanges between
 them), gradients are summed over cp before the average over dp, and node values are joined
 over cp by their context-parallel placement (``context.py``) before the comparison.
+
+With ``dp_shard="full"`` every rank of every replica runs at once (``simulate.run_mesh``),
+each holding its shard of every parameter; the ``unshard`` nodes gather and reduce-scatter
+over a simulated dp × cp group, and the gradients are put together from the shards
+(``sharded.py``). Under "optimizer" and "gradients" the graphs are those of "none": their
+buckets are reduced by the runtime (``runtime.data_parallel``), which verify does not run.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -49,6 +56,8 @@ import torch.utils._pytree as pytree
 from fxmegatron.capture import LossOnly, batch_args, capture
 from fxmegatron.compiler import first_microbatch
 from fxmegatron.errors import VerificationError
+from fxmegatron.ops.dp_gather import regather_in_backward
+from fxmegatron.passes.dp_shard import DP_SHARD
 from fxmegatron.passes.dropout_rng import dropout_sites
 from fxmegatron.passes.loss_terms import split_loss_problem
 from fxmegatron.runtime.id_check import label_inputs
@@ -62,7 +71,8 @@ from fxmegatron.verify.pipeline import (average_over_replicas, boundary_diagnosi
                                         chunk_of_node, holders, replica_weights, run_step, step_microbatches,
                                         sum_shared_grads)
 from fxmegatron.verify.context import cp_view, sum_over_cp
-from fxmegatron.verify.simulate import Recorder, run_grid
+from fxmegatron.verify.sharded import join_dp_shards
+from fxmegatron.verify.simulate import Recorder, run_grid, run_mesh
 
 aten = torch.ops.aten
 
@@ -154,14 +164,14 @@ def _without_dropout(gm):
 # the layout's fields that verify simulates (the rest, such as fuse, compile or fp8, have no
 # simulated form: tests/test_layout.py lists them); a layout handed in keeps these alone
 VERIFIED = ("dp", "pp", "cp", "tp", "cp_attention", "sequence_parallel", "recompute", "microbatches",
-            "virtual_stages", "schedule", "blocks_per_chunk", "seed")
+            "virtual_stages", "schedule", "blocks_per_chunk", "seed", "dp_shard")
 
 
 def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual_stages: int = 1,
            microbatches: int = 1, dp: int = 1, sequence_parallel: bool = False, recompute="none",
            schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None, batch=None,
            seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4, cp: int = 1,
-           cp_attention: str = "ring", layout: Optional[Layout] = None) -> VerifyReport:
+           cp_attention: str = "ring", layout: Optional[Layout] = None, dp_shard: str = "none") -> VerifyReport:
     """Check the layout dp × pp (``virtual_stages`` chunks per rank, ``microbatches`` per
     step) × ``cp`` (context parallelism, its attention by ``cp_attention``) × ``tp`` of
     ``model`` on simulated ranks; see the module doc. ``example_batch``
@@ -176,7 +186,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     if layout is None:
         lay = Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches, dp=dp,
                      sequence_parallel=sequence_parallel, recompute=recompute, schedule=schedule,
-                     blocks_per_chunk=blocks_per_chunk, seed=seed, cp=cp, cp_attention=cp_attention)
+                     blocks_per_chunk=blocks_per_chunk, seed=seed, cp=cp, cp_attention=cp_attention,
+                     dp_shard=dp_shard)
     else:
         lay = Layout(**{n: getattr(layout, n) for n in VERIFIED})
     tp, pp, dp, seed, cp = lay.tp, lay.pp, lay.dp, lay.seed, lay.cp
@@ -188,6 +199,9 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         sched_note = f"schedule {sched.name} checked (bubble {max(sim.bubble_fraction):.0%})"
     elif schedule not in (None, "gpipe", "1f1b"):
         raise ScheduleError(f"schedule={schedule!r} needs a pipeline (pp > 1 or virtual_stages > 1)")
+    if lay.dp_shard in ("optimizer", "gradients") and dp * cp > 1:
+        sched_note = "; ".join(x for x in (sched_note, f"dp_shard={lay.dp_shard}: the graphs of 'none'; its buckets "
+                                           "are reduced by the runtime, not simulated here") if x)
     layout = layout_name(lay)
     drawn = batch is None
     batch = fresh_batch(example_batch, seed + 1) if drawn else batch
@@ -230,19 +244,24 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
 
     programs = [[None] * (cp * tp) for _ in range(dp)]     # by replica, then cp rank · tp + tp rank
 
-    def rank_body(d: int, c: int, rank: int, group_name: str, cp_group: str):
+    def rank_body(d: int, c: int, rank: int, group_name: str, cp_group: str, dp_group: str = ""):
         prog = build_program(cap, lay, rank, group_name, d, seed, dropout, d == 0 and c == 0 and rank == 0, c,
-                             cp_group)
+                             cp_group, dp_group)
         programs[d][c * tp + rank] = prog
         # the counts of every replica's microbatches: what the all-reduce over dp adds up
         counts = None if prog.counter is None else [[prog.counter(mb) for mb in rep] for rep in micro]
         weights = replica_weights(counts, d, dp, microbatches)
-        out = run_step(prog, micro[d], weights, record=d == 0)
+        with regather_in_backward() if sharded else contextlib.nullcontext():    # as train_step runs it
+            out = run_step(prog, micro[d], weights, record=d == 0)
         out["weights"] = weights
         return out
 
-    # the replicas one after the other, each with its own simulated tp and cp groups
-    results = [run_grid(cp, tp, functools.partial(rank_body, d)) for d in range(dp)]
+    sharded = lay.dp_shard == "full" and dp * cp > 1
+    if sharded:     # every rank at once: the shards' gathers span the replicas
+        flat = run_mesh(dp, cp, tp, lambda d, c, t, g: rank_body(d, c, t, g["tp"], g["cp"], g["dp_cp"]))
+        results = [flat[d * cp * tp:(d + 1) * cp * tp] for d in range(dp)]
+    else:           # the replicas one after the other, each with its own simulated tp and cp groups
+        results = [run_grid(cp, tp, functools.partial(rank_body, d)) for d in range(dp)]
     prog0 = programs[0][0]
     plan = prog0.plan
 
@@ -253,8 +272,12 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     # per tp rank, per pipeline rank: the gradients after GradSync and the shared-weight sum
     final = []
     for t in range(tp):
-        g = average_over_replicas([sum_over_cp([results[d][c * tp + t]["grads"] for c in range(cp)])
-                                   for d in range(dp)], programs[0][t].params)
+        if sharded:
+            g = join_dp_shards([results[d][c * tp + t]["grads"] for d in range(dp) for c in range(cp)],
+                               programs[0][t].local.meta.get(DP_SHARD, {}))
+        else:
+            g = average_over_replicas([sum_over_cp([results[d][c * tp + t]["grads"] for c in range(cp)])
+                                       for d in range(dp)], programs[0][t].params)
         if pp > 1:
             sum_shared_grads(g, programs[0][t].shared)
         final.append(g)
@@ -327,6 +350,8 @@ def layout_name(lay: Layout) -> str:
         parts.append("sp")
     if lay.recompute != "none":
         parts.append(f"recompute={lay.recompute}")
+    if lay.dp_shard != "none":
+        parts.append(f"dp_shard={lay.dp_shard}")
     return " ".join(parts)
 
 

@@ -55,25 +55,37 @@ def run_grid(cp: int, tp: int, body: Callable[[int, int, str, str], object]) -> 
     cp rank share a simulated tp group, those of one tp rank a cp group (the mesh's cp × tp).
     The results by rank, cp_rank·tp + tp_rank. An exception on any rank wakes the others and is
     raised here (the first one)."""
-    tp_groups = [SimulatedGroup(tp) for _ in range(cp)]
-    cp_groups = [SimulatedGroup(cp) for _ in range(tp)]
-    results: List[object] = [None] * (cp * tp)
+    return run_mesh(1, cp, tp, lambda d, c, t, names: body(c, t, names["tp"], names["cp"]))
+
+
+def run_mesh(dp: int, cp: int, tp: int, body: Callable[[int, int, int, Dict[str, str]], object]) -> List[object]:
+    """``body(dp_rank, cp_rank, tp_rank, group_names)`` on dp·cp·tp threads: a simulated tp group
+    per (dp, cp) rank, a cp group per (dp, tp) rank and a "dp_cp" group per tp rank (its ranks
+    dp-major, as the dp × cp group that sums gradients). The results by rank,
+    (dp_rank·cp + cp_rank)·tp + tp_rank. An exception on any rank wakes the others and is raised
+    here (the first one)."""
+    tp_groups = [SimulatedGroup(tp) for _ in range(dp * cp)]
+    cp_groups = [SimulatedGroup(cp) for _ in range(dp * tp)]
+    dp_groups = [SimulatedGroup(dp * cp) for _ in range(tp)]
+    results: List[object] = [None] * (dp * cp * tp)
     errors: List[BaseException] = []
 
-    def target(c: int, t: int) -> None:
+    def target(d: int, c: int, t: int) -> None:
+        names = {"tp": tp_groups[d * cp + c].name(t), "cp": cp_groups[d * tp + t].name(c),
+                 "dp_cp": dp_groups[t].name(d * cp + c)}
         try:
             with torch.random.fork_rng(devices=[]):
-                results[c * tp + t] = body(c, t, tp_groups[c].name(t), cp_groups[t].name(c))
+                results[(d * cp + c) * tp + t] = body(d, c, t, names)
         except threading.BrokenBarrierError as exc:
             if not errors:
                 errors.append(exc)
         except BaseException as exc:   # noqa: B902 - reported on the caller's thread
             errors.insert(0, exc)
-            for g in tp_groups + cp_groups:
+            for g in tp_groups + cp_groups + dp_groups:
                 g.abort()
 
-    threads = [threading.Thread(target=target, args=(c, t), name=f"fxmegatron-sim-rank{c * tp + t}", daemon=True)
-               for c in range(cp) for t in range(tp)]
+    threads = [threading.Thread(target=target, args=(d, c, t), name=f"fxmegatron-sim-rank{(d * cp + c) * tp + t}",
+                                daemon=True) for d in range(dp) for c in range(cp) for t in range(tp)]
     for t in threads:
         t.start()
     for t in threads:
