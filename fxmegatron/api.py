@@ -91,7 +91,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     reduce-scattered after every microbatch, its pieces summed, so no whole gradient outlives
     its bucket) or "full" (ZeRO-3: every parameter a flat shard per rank,
     each block's gathered by one graph node before it and again for the backward, gradients
-    reduce-scattered by autograd; ``passes.dp_shard``; not with pipeline parallelism).
+    reduce-scattered by autograd; ``passes.dp_shard``; in pipeline stages too).
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
     matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """

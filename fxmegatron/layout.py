@@ -120,9 +120,9 @@ class Layout:
                                      "eager, which runs no FP8: verify the layout without fp8")
         if self.dp_shard not in DP_SHARD_MODES:
             raise ShardingError(f"parallelize(dp_shard={self.dp_shard!r}): expected one of {DP_SHARD_MODES}")
-        if self.dp_shard == "full" and (self.pp > 1 or self.chunked or self.virtual_stages > 1):
-            raise ShardingError(f"parallelize(dp_shard='full', pp={self.pp}): fully sharded parameters inside pipeline "
-                                "stages are not built yet: use dp_shard='optimizer' with pipeline parallelism")
+        if self.dp_shard == "full" and self.chunked:
+            raise ShardingError("parallelize(dp_shard='full') of a chunked (compiled-folder) program: not built yet: "
+                                "use dp_shard='optimizer'")
         if self.dp_shard == "full" and (self.precision == "fp8" or self.tp_comm_overlap):
             what = "precision='fp8'" if self.precision == "fp8" else f"tp_comm_overlap={self.tp_comm_overlap}"
             raise ShardingError(f"parallelize(dp_shard='full', {what}): not tested together yet (the gathered weights "

@@ -21,6 +21,8 @@ LAYOUTS = {
     "dp2-tp2-sp": ({"dp": 2, "tp": 2}, ("gpt", "mixtral"), {"sequence_parallel": True}),
     "dp2-cp2": ({"dp": 2, "cp": 2}, ("gpt2",), {}),
     "dp2-compile": ({"dp": 2}, ("llama",), {"compile": True}),
+    # interleaved: GPT-2's tied embedding and head on two stages, each gathered in its own chunk
+    "dp2-pp2-v2": ({"dp": 2, "pp": 2}, ("gpt2",), {"microbatches": 4, "virtual_stages": 2}),
 }
 
 
@@ -55,8 +57,8 @@ def test_a_block_is_gathered_once_forward_and_again_for_the_backward(kw):
 
 
 def test_full_sharding_is_refused_where_not_built():
-    with pytest.raises(ShardingError, match="not built yet: use dp_shard='optimizer' with pipeline"):
-        Layout(dp=2, pp=2, dp_shard="full")
+    with pytest.raises(ShardingError, match=r"chunked \(compiled-folder\) program: not built yet"):
+        Layout(dp=2, dp_shard="full", chunked=True)
     with pytest.raises(ShardingError, match=r"dp_shard='full', precision='fp8'\): not tested together yet"):
         Layout(dp=2, dp_shard="full", precision="fp8")
     with pytest.raises(ShardingError, match=r"dp_shard='full', tp_comm_overlap=2\): not tested together yet"):

@@ -92,6 +92,6 @@ def build_rank(cap: Captured, layout, coords: Mapping[str, int], device, groups:
             out.specs = boundary_specs(out.chunks, placeholders)
         for r in build:
             out.stages[r] = build_stage(out.chunks, layout.pp, r, cap, plan.param_plc, tp_rank, tp, device,
-                                        layout.state_dict, layout.seed, local, source=graph, groups=bound)
+                                        layout.state_dict, layout.seed, local, source=graph, groups=bound, **shard_at)
     out.timings["materialize_s"] = time.perf_counter() - t0
     return out

@@ -133,7 +133,8 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
         policy = RecomputePolicy.of(cfg.recompute)
         again = bool(cfg.compile) and not (policy is not None and policy.blocks)
         passes.append(Pass("dp_shard", lambda gm: shard_parameters(gm, cap.params.keys(), shard_world,
-                                                                   axes["dp"].size, DP_AXIS, again),
+                                                                   axes["dp"].size, DP_AXIS, again,
+                                                                   per_use=cfg.pipelined()),
                            requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
     compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"

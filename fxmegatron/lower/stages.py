@@ -58,12 +58,14 @@ class Stage:
 
 def build_stage(chunks: Sequence[Chunk], p: int, pp_rank: int, cap: Captured, param_plc, tp_rank: int,
                 tp: int, device, state_dict: Optional[Mapping], seed: int, meta_gm: fx.GraphModule,
-                source: Optional[fx.GraphModule] = None, groups: Optional[Mapping[str, str]] = None) -> Stage:
+                source: Optional[fx.GraphModule] = None, groups: Optional[Mapping[str, str]] = None,
+                **shard_at) -> Stage:
     """Materialise the parameters of the chunks on ``pp_rank`` (chunk c lives on rank c % p);
-    constants come from ``source`` (the graph before it went to meta)."""
+    constants come from ``source`` (the graph before it went to meta). ``shard_at``:
+    ``materialize_graph``'s data-parallel shard keywords (``dp_shard="full"``)."""
     params: Dict[str, nn.Parameter] = {}
     modules = {c.index: materialize_graph(c.gm, cap, param_plc, tp_rank, tp, device, state_dict, seed, source, params,
-                                         groups)
+                                         groups, **shard_at)
                for c in chunks if c.index % p == pp_rank}
     # weights used on several pipeline ranks (tied embedding / LM head): gradients summed over pp
     shared = {}

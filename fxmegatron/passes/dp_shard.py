@@ -6,7 +6,10 @@ parameters of one transformer block together right before the block's first op: 
 all-gather per block, one reduce-scatter of its gradients in the backward. The parameters of
 one block (the outermost module path ending in an index, as recomputation finds blocks) form a
 group; a parameter read outside any block, or by several blocks (a tied embedding and LM head),
-is a group of its own, gathered before its first reader.
+is a group of its own, gathered before its first reader. With ``per_use`` (a pipeline, whose
+chunks are cut at blocks after this pass) such a parameter is gathered again before each
+reader instead, so that every gather lies in its reader's chunk and no whole weight crosses a
+stage boundary: the shard is then a weight several chunks read, like any tied weight.
 
 How the whole parameters are dropped between forward and backward:
 
@@ -44,7 +47,7 @@ def _set_param(gm: fx.GraphModule, name: str, value: nn.Parameter) -> None:
 
 
 def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, divisor: int, group_name: str,
-                     recompute_gather: bool) -> fx.GraphModule:
+                     recompute_gather: bool, per_use: bool = False) -> fx.GraphModule:
     """Shard every parameter in ``params`` over a group of ``world`` ranks named ``group_name``
     and gather each block's before the block (see the module's docstring)."""
     if world == 1:
@@ -57,29 +60,45 @@ def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, di
             attrs.setdefault(n.target, []).append(n)
     groups: Dict[str, List[str]] = {}
     first: Dict[str, fx.Node] = {}
+    only: Dict[str, fx.Node] = {}       # a per-use group: the one reader it is gathered for
     for name, gets in attrs.items():
         users = sorted({u for g in gets for u in g.users}, key=order.__getitem__)
         blocks = {block_of(u) for u in users}
-        key = next(iter(blocks)) if len(blocks) == 1 and "" not in blocks else "param:" + name
-        groups.setdefault(key, []).append(name)
-        if key not in first or order[users[0]] < order[first[key]]:
-            first[key] = users[0]
+        if len(blocks) == 1 and "" not in blocks:
+            keys = [(next(iter(blocks)), users[0])]
+        elif per_use and len(users) > 1:
+            keys = [(f"param:{name}@{u.name}", u) for u in users]
+            only.update({k: u for k, u in keys})
+        else:
+            keys = [("param:" + name, users[0])]
+        for key, u in keys:
+            groups.setdefault(key, []).append(name)
+            if key not in first or order[u] < order[first[key]]:
+                first[key] = u
     shapes: Dict[str, tuple] = {}
+    for name in attrs:
+        p = gm.get_parameter(name)
+        shapes[name] = tuple(p.shape)
+        s = shard_length(p.numel(), world)
+        _set_param(gm, name, nn.Parameter(torch.empty(s, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad))
+        for g in attrs[name]:
+            old = g.meta.get("val")
+            g.meta["val"] = old.new_empty((s,)) if old is not None else None
     for key, names in groups.items():
         at = first[key]
-        local = [gm.get_parameter(n) for n in names]
         got: List[fx.Node] = []
-        for name, p in zip(names, local):
-            s = shard_length(p.numel(), world)
-            _set_param(gm, name, nn.Parameter(torch.empty(s, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad))
-            shapes[name] = tuple(p.shape)
+        for name in names:
             gets = attrs[name]
+            if key in only:         # a get_attr of its own, read by this gather alone
+                with gm.graph.inserting_before(at):
+                    mine = gm.graph.get_attr(name)
+                mine.meta = dict(gets[0].meta)
+                got.append(mine)
+                continue
             for g in gets[1:]:
                 g.replace_all_uses_with(gets[0])
                 gm.graph.erase_node(g)
             at.prepend(gets[0])
-            old = gets[0].meta.get("val")
-            gets[0].meta["val"] = old.new_empty((s,)) if old is not None else None
             got.append(gets[0])
         with gm.graph.inserting_before(at):
             call = gm.graph.call_function(unshard, ([*got], [list(shapes[n]) for n in names], world, divisor,
@@ -88,11 +107,23 @@ def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, di
         for node in [call, *outs]:
             node.meta["nn_module_stack"] = dict(at.meta.get("nn_module_stack") or {})
             node.meta["dp_shard"] = key
-        for g, out, p in zip(got, outs, local):
+        for g, out, name in zip(got, outs, names):
             old = g.meta.get("val")
             if old is not None:
-                out.meta["val"] = old.new_empty(p.shape)
-            g.replace_all_uses_with(out, delete_user_cb=lambda u: u is not call)
+                out.meta["val"] = old.new_empty(shapes[name])
+            if key in only:         # the reader alone reads the whole weight from this gather
+                for a in [a for a in only[key].all_input_nodes if a.op == "get_attr" and a.target == name]:
+                    only[key].replace_input_with(a, out)
+            else:
+                g.replace_all_uses_with(out, delete_user_cb=lambda u: u is not call)
+        # the gather's value, as the pipeline split reads it (which values carry a gradient)
+        vals = [o.meta.get("val") for o in outs]
+        call.meta["val"] = vals if all(v is not None for v in vals) else None
+    per_use_names = {n for key, names in groups.items() if key in only for n in names}
+    for name in per_use_names:      # the get_attrs the per-use gathers took every reader from
+        for g in attrs[name]:
+            if not g.users:
+                gm.graph.erase_node(g)
     gm.meta[DP_SHARD] = shapes
     gm.graph.lint()
     gm.recompile()

@@ -99,7 +99,8 @@ class ParallelModel(WholeTensors, nn.Module):
         if dist.is_initialized():
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
                                pipe.stage.shared if pipe is not None else (),
-                               known=self.graph_module.meta.get(DIGESTS) if pipe is None else None)
+                               known={k: v for m in (pipe.stage.modules.values() if pipe else [self.graph_module])
+                                      for k, v in m.meta.get(DIGESTS, {}).items()})
 
     # parameters keep the original model's names
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -189,7 +190,8 @@ class ParallelModel(WholeTensors, nn.Module):
                 (loss if w == 1.0 else loss * w).backward()
                 total = add_weighted(total, loss, w)
         else:
-            total = self._runner.run(micro, weights, dropout_off=not self.training)
+            with self._regather():
+                total = self._runner.run(micro, weights, dropout_off=not self.training)
         if self._grad_accum is not None:
             self._grad_accum.finish()
         if self._grad_sync is not None:
