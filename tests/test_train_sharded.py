@@ -52,15 +52,15 @@ def test_sharded_optimizer_trains_saves_and_loads_at_another_layout(tmp_path):
 def test_fully_sharded_saves_at_dp4_and_loads_at_dp2_optimizer_and_one_process(tmp_path):
     """The issue's round trip: a checkpoint written at dp 4 with dp_shard="full" (each rank holds a
     quarter of every parameter and of its optimizer state), resumed at dp 2 with the optimizer
-    sharded, at one process and at dp 2 fully sharded (each rank cuts its halves from the whole
-    tensors): the same losses to rounding."""
+    sharded, at one process and at dp 2 × pp 2 fully sharded (each rank cuts its halves of its
+    stage's parameters from the whole tensors): the same losses to rounding."""
     r = train(config(tmp_path, "full", {"dp": 4, "dp_shard": "full"}), 4)
     assert r.returncode == 0, r.stdout[-3000:]
     full = losses(tmp_path / "full")
     assert full[-1] < full[0] - 0.1                         # it trains
     ck = step_dir(str(tmp_path / "full" / "checkpoints"), 3)
     for name, layout, world in (("dp2-optimizer", {"dp": 2, "dp_shard": "optimizer"}, 2), ("one", {"dp": 1}, 1),
-                                ("dp2-full", {"dp": 2, "dp_shard": "full"}, 2)):
+                                ("dp2-pp2-full", {"dp": 2, "pp": 2, "microbatches": 2, "dp_shard": "full"}, 4)):
         r = train(config(tmp_path, name, layout, resume=ck), world)
         assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout[-3000:]
         assert losses(tmp_path / name, 4) == pytest.approx(full[3:], rel=1e-5), name
