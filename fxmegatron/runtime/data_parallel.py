@@ -85,9 +85,9 @@ class GradSync:
         """Arm for one step of ``microbatches``."""
         if self.shard and any(x is not None for x in self.pieces):
             raise ShardingError("train_step under dp_shard='optimizer' or 'gradients' while the last step's "
-                                "reduced gradients are still waiting for the optimizer: build it with pm.adamw(...) (an optimizer over "
-                                "pm.parameters() sees no gradients: each rank keeps only its share of them) and call "
-                                "its step() between train_steps")
+                                "reduced gradients are still waiting for the optimizer: build it with "
+                                "pm.adamw(...) (an optimizer over pm.parameters() sees no gradients: each rank "
+                                "keeps only its share of them) and call its step() between train_steps")
         self._expected = {id(p): microbatches * self.uses.get(id(p), 1) for p in self.params}
         self._count = {id(p): 0 for p in self.params}
         self._ready = [0] * len(self.buckets)

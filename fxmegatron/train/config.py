@@ -130,7 +130,8 @@ KEYS: List[Key] = [
     _k("layout", "fp8_policy", NAMES, "all", "precision = fp8: the linears in FP8, all, attention, mlp, or a "
        "list of module-path regexes"),
     _k("layout", "dp_shard", STR, "none", "what the data-parallel (and cp) ranks shard: none, optimizer (the "
-       "optimizer's state, ZeRO-1), gradients (the gradients too, reduce-scattered every microbatch, ZeRO-2) or full (the parameters, gradients and state, ZeRO-3); "
+       "optimizer's state, ZeRO-1), gradients (the gradients too, reduce-scattered every microbatch, ZeRO-2) "
+       "or full (the parameters, gradients and state, ZeRO-3); "
        "needs optim.fused",
        choices=DP_SHARD_MODES),
     # ---- optim ----
