@@ -27,9 +27,11 @@ def _case(name, n_layer=2):
     ("llama", dict(tp=1, dp=2, cp=2, recompute="full"), "tp=1 dp=2 cp=2 recompute=full dp_shard=full"),  # dp × cp
     # interleaved pipeline: the tied embedding and head gathered in their own chunks on two stages
     ("gpt2", dict(tp=1, dp=2, pp=2, virtual_stages=2, microbatches=4), "tp=1 pp=2 v=2 m=4 dp=2 dp_shard=full"),
+    ("llama", dict(tp=2, dp=2, pp=2, microbatches=2, recompute="full", sequence_parallel=True),
+     "tp=2 pp=2 m=2 dp=2 sp recompute=full dp_shard=full"),                # 8 simulated ranks
 ])
 def test_fully_sharded_layouts_are_exact(name, layout, label):
-    model, batch = _case(name, 4 if layout.get("pp", 1) > 1 else 2)     # a block per chunk
+    model, batch = _case(name, 2 * layout.get("virtual_stages", 1) if layout.get("pp", 1) > 1 else 2)
     report = fxmegatron.verify(model, batch, dp_shard="full", **layout)
     assert report.layout == label, str(report)
     assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * abs(report.loss_ref)
