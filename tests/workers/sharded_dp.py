@@ -57,7 +57,7 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
                                      shard=True, rank=old.rank, alone=old.alone, every_microbatch=old.every_microbatch,
                                      sum_dtype=old.sum_dtype)
             chunk = {"chunk_mb": 0.05}
-        held = _watch_gradients(pm) if pm.program.pipeline is None else None
+        held = _watch_gradients(pm) if pm.program.pipeline is None and pm.grad_sync is not None else None
         opt = pm.adamw(_groups(pm.named_parameters(), lambda n, p: pm.param_dims(n)), lr=1e-3, **chunk)
         opt_ref = torch.optim.AdamW(_groups(ref.named_parameters()), lr=1e-3)
         losses, losses_ref, norms, norms_ref = [], [], [], []
