@@ -100,7 +100,7 @@ class ParallelModel(WholeTensors, nn.Module):
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
                                pipe.stage.shared if pipe is not None else (),
                                known={k: v for m in (pipe.stage.modules.values() if pipe else [self.graph_module])
-                                      for k, v in m.meta.get(DIGESTS, {}).items()})
+                                      for k, v in getattr(m, "meta", {}).get(DIGESTS, {}).items()})
 
     # parameters keep the original model's names
     def named_parameters(self, prefix: str = "", recurse: bool = True,
