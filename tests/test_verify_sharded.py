@@ -2,7 +2,8 @@
 once on simulated ranks, each holding its shard of every parameter, the ``unshard`` nodes
 gathering and reduce-scattering over a simulated dp × cp group; the gradients put together
 from the shards match the model's. A planted wrong shard and a doubled reduce-scatter are
-named."""
+named. Under "optimizer" and "gradients" the runtime's own bucket reduction runs on the
+simulated ranks, and a dropped piece is named."""
 import importlib
 
 import pytest
@@ -60,12 +61,37 @@ def test_a_bucket_reduce_scattered_twice_is_named(monkeypatch):
     print(err.value)
 
 
-def test_runtime_modes_say_what_is_not_simulated():
-    model, batch = _case("gpt2", n_layer=1)
-    report = fxmegatron.verify(model, batch, tp=1, dp=2, dp_shard="gradients")
-    assert report.layout == "tp=1 dp=2 dp_shard=gradients" and report.max_grad_err < 1e-4
-    assert "dp_shard=gradients: the graphs of 'none'; its buckets are reduced by the runtime, not simulated" \
-        in str(report), str(report)
+@pytest.mark.parametrize("name,mode,layout,label", [
+    ("gpt2", "optimizer", dict(tp=1, dp=2, cp=2), "tp=1 dp=2 cp=2 dp_shard=optimizer"),
+    ("gpt2", "gradients", dict(tp=2, dp=2, pp=2, virtual_stages=2, microbatches=4),
+     "tp=2 pp=2 v=2 m=4 dp=2 dp_shard=gradients"),
+])
+def test_runtime_modes_reduce_their_buckets_on_simulated_ranks(name, mode, layout, label):
+    """"optimizer" and "gradients": the runtime's GradSync on each simulated rank, over a
+    simulated dp × cp group, its pieces gathered back into whole gradients."""
+    model, batch = _case(name, 2 * layout.get("virtual_stages", 1))
+    report = fxmegatron.verify(model, batch, dp_shard=mode, **layout)
+    assert report.layout == label and report.max_grad_err < 1e-4, str(report)
+
+
+def test_a_dropped_microbatch_piece_is_named(monkeypatch):
+    """The planted fault: under "gradients" each bucket's first reduced piece is dropped, not
+    summed, when the next microbatch's arrives."""
+    from fxmegatron.runtime.data_parallel import GradSync
+    retire = GradSync._retire
+
+    def dropping(self):
+        b = self._in_flight[0][0]
+        had = self._sums[b] is not None
+        retire(self)
+        if not had:
+            self._sums[b].zero_()
+    monkeypatch.setattr(GradSync, "_retire", dropping)
+    model, batch = _case("gpt2")
+    with pytest.raises(VerificationError, match=r"dp_shard=gradients.*every forward value agrees, but parameter "
+                                                r"\S+ .*gradient differs") as err:
+        fxmegatron.verify(model, batch, tp=1, dp=2, microbatches=2, dp_shard="gradients")
+    print(err.value)
 
 
 def test_cli_takes_the_mode(capsys):

@@ -23,11 +23,12 @@ import torch.nn as nn
 
 from fxmegatron.errors import ReplicaError, ShardingError
 from fxmegatron.lower.materialize import weight_digest
-from fxmegatron.runtime.sharded_dp import all_gather, bucket_layout, reduce_scatter_bucket, segments
+from fxmegatron.runtime.sharded_dp import all_gather, all_reduce, bucket_layout, reduce_scatter_bucket, segments
 
 
 class GradSync:
-    """Bucketed, overlapped gradient averaging for ``params`` over ``group``: the sum over the
+    """Bucketed, overlapped gradient averaging for ``params`` over ``group`` (a process group, or
+    a simulated group's name under ``verify``): the sum over the
     group divided by ``divisor`` (default ``world``). Under context parallelism the group is
     dp × cp and the divisor dp: each cp rank holds the gradient of its tokens' share of the
     loss, which add up, while dp replicas each hold a mean over their own batch."""
@@ -125,7 +126,7 @@ class GradSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         if not self.shard:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self._work[b] = (flat, dist.all_reduce(flat, group=self.group, async_op=True), None)
+            self._work[b] = (flat, all_reduce(flat, self.group), None)
             return
         piece, work, flat = reduce_scatter_bucket(grads, self.world, self.group)
         for p in bucket:       # what the optimizer reads is the piece

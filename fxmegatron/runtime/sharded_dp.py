@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxmegatron.mesh import Axis
+from fxmegatron.ops.groups import communicator
 
 DP_SHARD_MODES = ("none", "optimizer", "gradients", "full")
 SHARDED_OPTIMIZER = ("optimizer", "gradients")      # the modes whose optimizer is ShardedAdamW over pieces
@@ -80,17 +81,44 @@ def segments(buckets: Sequence[Sequence[nn.Parameter]], world: int, rank: int) -
     return out
 
 
+class _Done:
+    """The work of a collective that has already happened (on a simulated group)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _simulated(group) -> bool:
+    """``group`` is a simulated group's name (``ops.groups``: ``verify`` runs the data-parallel
+    ranks as threads), not a process group."""
+    return isinstance(group, str)
+
+
 def reduce_scatter_bucket(grads: Sequence[torch.Tensor], world: int, group):
     """(this rank's piece, the work, the flat input kept alive until the work ends)."""
     offsets, padded = bucket_layout([g.numel() for g in grads], world)
     flat = grads[0].new_zeros(padded)
     torch._foreach_copy_([flat[o:o + g.numel()] for o, g in zip(offsets, grads)], [g.reshape(-1) for g in grads])
     piece = flat.new_empty(padded // world)
+    if _simulated(group):
+        piece.copy_(communicator(group).reduce_scatter(flat.view(world, -1)))
+        return piece, _Done(), flat
     return piece, dist.reduce_scatter_tensor(piece, flat, group=group, async_op=True), flat
+
+
+def all_reduce(flat: torch.Tensor, group):
+    """Sum ``flat`` over the group in place; the work."""
+    if _simulated(group):
+        flat.copy_(communicator(group).all_reduce(flat))
+        return _Done()
+    return dist.all_reduce(flat, group=group, async_op=True)
 
 
 def all_gather(out: torch.Tensor, piece: torch.Tensor, group, async_op: bool = False):
     """Every rank's ``piece`` into ``out``, in rank order."""
+    if _simulated(group):
+        out.copy_(communicator(group).all_gather(piece).reshape(-1))
+        return _Done() if async_op else None
     # torch 2.13 renamed all_gather_into_tensor (deprecated there); the GPU machines have 2.11
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, piece, group=group, async_op=async_op)

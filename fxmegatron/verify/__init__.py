@@ -37,8 +37,9 @@ over cp by their context-parallel placement (``context.py``) before the comparis
 With ``dp_shard="full"`` every rank of every replica runs at once (``simulate.run_mesh``),
 each holding its shard of every parameter; the ``unshard`` nodes gather and reduce-scatter
 over a simulated dp × cp group, and the gradients are put together from the shards
-(``sharded.py``). Under "optimizer" and "gradients" the graphs are those of "none": their
-buckets are reduced by the runtime (``runtime.data_parallel``), which verify does not run.
+(``sharded.py``). Under "optimizer" and "gradients" the graphs are those of "none", and the
+runtime's own ``GradSync`` reduces their buckets over the simulated group into each rank's
+pieces, from which the whole gradients are gathered (``sharded.RuntimeReduction``).
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ from fxmegatron.verify.pipeline import (average_over_replicas, boundary_diagnosi
                                         chunk_of_node, holders, replica_weights, run_step, step_microbatches,
                                         sum_shared_grads)
 from fxmegatron.verify.context import cp_view, sum_over_cp
-from fxmegatron.verify.sharded import join_dp_shards
+from fxmegatron.verify.sharded import RuntimeReduction, join_dp_shards
 from fxmegatron.verify.simulate import Recorder, run_grid, run_mesh
 
 aten = torch.ops.aten
@@ -199,9 +200,6 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         sched_note = f"schedule {sched.name} checked (bubble {max(sim.bubble_fraction):.0%})"
     elif schedule not in (None, "gpipe", "1f1b"):
         raise ScheduleError(f"schedule={schedule!r} needs a pipeline (pp > 1 or virtual_stages > 1)")
-    if lay.dp_shard in ("optimizer", "gradients") and dp * cp > 1:
-        sched_note = "; ".join(x for x in (sched_note, f"dp_shard={lay.dp_shard}: the graphs of 'none'; its buckets "
-                                           "are reduced by the runtime, not simulated here") if x)
     layout = layout_name(lay)
     drawn = batch is None
     batch = fresh_batch(example_batch, seed + 1) if drawn else batch
@@ -251,13 +249,19 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         # the counts of every replica's microbatches: what the all-reduce over dp adds up
         counts = None if prog.counter is None else [[prog.counter(mb) for mb in rep] for rep in micro]
         weights = replica_weights(counts, d, dp, microbatches)
+        reduction = RuntimeReduction(prog, lay.dp_shard, dp_group, dp * cp, dp, d * cp + c) if runtime else None
+        if reduction is not None:
+            reduction.start(microbatches)
         with regather_in_backward() if sharded else contextlib.nullcontext():    # as train_step runs it
             out = run_step(prog, micro[d], weights, record=d == 0)
+        if reduction is not None:       # the buckets' reduced gradients, in place of this rank's own
+            out["grads"] = reduction.finish()
         out["weights"] = weights
         return out
 
     sharded = lay.dp_shard == "full" and dp * cp > 1
-    if sharded:     # every rank at once: the shards' gathers span the replicas
+    runtime = lay.dp_shard in ("optimizer", "gradients") and dp * cp > 1
+    if sharded or runtime:      # every rank at once: the gathers and reductions span the replicas
         flat = run_mesh(dp, cp, tp, lambda d, c, t, g: rank_body(d, c, t, g["tp"], g["cp"], g["dp_cp"]))
         results = [flat[d * cp * tp:(d + 1) * cp * tp] for d in range(dp)]
     else:           # the replicas one after the other, each with its own simulated tp and cp groups
@@ -272,7 +276,9 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     # per tp rank, per pipeline rank: the gradients after GradSync and the shared-weight sum
     final = []
     for t in range(tp):
-        if sharded:
+        if runtime:         # reduced over dp × cp already, the same on every rank of the group
+            g = [dict(x) for x in results[0][t]["grads"]]
+        elif sharded:
             g = join_dp_shards([results[d][c * tp + t]["grads"] for d in range(dp) for c in range(cp)],
                                programs[0][t].local.meta.get(DP_SHARD, {}))
         else:

@@ -1,7 +1,11 @@
-"""Fully sharded data parallelism (``dp_shard="full"``) under ``verify``: every replica's
-ranks run at once (``simulate.run_mesh``), their ``unshard`` nodes gathering and
-reduce-scattering over a simulated dp × cp group, and each parameter's gradient is put back
-together from the ranks' shards.
+"""Sharded data parallelism under ``verify``: every replica's ranks run at once
+(``simulate.run_mesh``) over a simulated dp × cp group.
+
+Under ``dp_shard="full"`` their ``unshard`` nodes gather and reduce-scatter over it, and each
+parameter's gradient is put back together from the ranks' shards (``join_dp_shards``).
+Under "optimizer" and "gradients" the graphs are those of "none" and the runtime's own
+``GradSync`` reduces the buckets over it (``RuntimeReduction``), a launch per step or per
+microbatch, into each rank's pieces, from which every rank's whole gradients are gathered.
 
 A shard's ``.grad`` is already the reduce-scatter of every replica's and cp rank's gradient,
 divided by dp (``ops.dp_gather``): the whole gradient is the dp × cp ranks' shards one after
@@ -14,6 +18,7 @@ from typing import Dict, List, Mapping, Sequence
 import torch
 
 from fxmegatron.ops.dp_gather import whole
+from fxmegatron.runtime.data_parallel import GradSync
 
 
 def join_dp_shards(grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], shapes: Mapping[str, Sequence[int]]
@@ -34,3 +39,35 @@ def join_dp_shards(grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], shapes
             joined[name] = whole(torch.cat([p.reshape(-1) for p in parts]), shapes[name])
         out.append(joined)
     return out
+
+
+class RuntimeReduction:
+    """``GradSync`` as ``ParallelModel`` builds it for ``dp_shard`` "optimizer" or "gradients"
+    (sharded buckets, the sum over the group divided by dp, a tied weight's bucket alone), one
+    per pipeline rank of a simulated rank's program ``prog``, over the simulated group
+    ``group_name`` of ``world`` ranks, of which this is rank ``rank``."""
+
+    def __init__(self, prog, mode: str, group_name: str, world: int, dp: int, rank: int):
+        self.prog = prog
+        pp = len(prog.params)
+        self.syncs = []
+        for r, held in enumerate(prog.params):
+            mine = [m for c, m in prog.modules.items() if c % pp == r]
+            uses = {id(p): sum(any(q is p for q in m.parameters()) for m in mine) for p in held.values()}
+            alone = {id(held[n]) for n in prog.shared if n in held}
+            self.syncs.append(GradSync(list(held.values()), uses, group_name, world, divisor=dp, shard=True,
+                                       rank=rank, alone=alone, every_microbatch=mode == "gradients"))
+
+    def start(self, microbatches: int) -> None:
+        for s in self.syncs:
+            s.start(microbatches)
+
+    def finish(self) -> List[Dict[str, torch.Tensor]]:
+        """Per pipeline rank, each parameter's reduced gradient, gathered from every rank's pieces."""
+        out = []
+        for s, held in zip(self.syncs, self.prog.params):
+            s.finish()
+            reduced = s.whole_grads()
+            s.remove()
+            out.append({n: reduced[id(p)].clone() for n, p in held.items() if id(p) in reduced})
+        return out
