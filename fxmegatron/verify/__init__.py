@@ -62,6 +62,7 @@ from fxmegatron.passes.dp_shard import DP_SHARD
 from fxmegatron.passes.dropout_rng import dropout_sites
 from fxmegatron.passes.loss_terms import split_loss_problem
 from fxmegatron.runtime.id_check import label_inputs
+from fxmegatron.runtime.sharded_dp import SHARDED_OPTIMIZER
 from fxmegatron.passes.tp_coverage import Coverage
 from fxmegatron.placement import R, Replicate, join_shards
 from fxmegatron.schedules import ScheduleError, make_schedule
@@ -260,7 +261,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         return out
 
     sharded = lay.dp_shard == "full" and dp * cp > 1
-    runtime = lay.dp_shard in ("optimizer", "gradients") and dp * cp > 1
+    runtime = lay.dp_shard in SHARDED_OPTIMIZER and dp * cp > 1
     if sharded or runtime:      # every rank at once: the gathers and reductions span the replicas
         flat = run_mesh(dp, cp, tp, lambda d, c, t, g: rank_body(d, c, t, g["tp"], g["cp"], g["dp_cp"]))
         results = [flat[d * cp * tp:(d + 1) * cp * tp] for d in range(dp)]
