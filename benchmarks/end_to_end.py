@@ -262,12 +262,36 @@ def parse_args(argv=None):
     ap.add_argument("--json", default="", help="write every row and the run's settings here (rank 0)")
     ap.add_argument("--profile-dir", default="", help="write a chrome trace per layout (rank 0)")
     ap.add_argument("--no-profile", action="store_true", help="no profiled step (no breakdown)")
+    ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="set torch._inductor.config KEY (dotted) to VALUE (a Python literal) before any "
+                         "layout compiles, every row; repeatable")
     ap.add_argument("--hang-dump", type=float, default=0, metavar="SECONDS",
                     help="print every thread's Python stack (each rank) when a layout runs longer than this")
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "float32" if args.check else "bfloat16"
     return args
+
+
+def set_inductor_config(settings) -> list:
+    """Apply ``--inductor-config KEY=VALUE`` settings; the problems with them, as messages."""
+    import ast
+    import torch._inductor.config as config
+    problems = []
+    for item in settings:
+        key, eq, text = item.partition("=")
+        owner, _, leaf = key.strip().rpartition(".")
+        target = config
+        for part in owner.split(".") if owner else []:
+            target = getattr(target, part, None)
+        if not eq or target is None or not hasattr(target, leaf):
+            problems.append(f"--inductor-config {item!r}: torch {torch.__version__}'s inductor has no setting {key!r}")
+            continue
+        try:
+            setattr(target, leaf, ast.literal_eval(text.strip()))
+        except (ValueError, SyntaxError) as exc:
+            problems.append(f"--inductor-config {item!r}: the value is not a Python literal ({exc})")
+    return problems
 
 
 def main(argv=None):
@@ -312,6 +336,7 @@ def main(argv=None):
         layouts.append(lay)
     if not layouts:
         problems.append("no layouts given (--layouts)")
+    problems += set_inductor_config(args.inductor_config)
     if problems:
         # only rank 0 fails: torchrun ends the others as soon as one fails, maybe before rank 0 printed
         if lead:

@@ -17,6 +17,7 @@ from fxmegatron.capture import Captured, capture
 from fxmegatron.errors import LossError, ScheduleError
 from fxmegatron.layout import Layout
 from fxmegatron.lower.rank import build_rank
+from fxmegatron.lower.rank_passes import schedules_collectives
 from fxmegatron.lower.stages import token_counter
 from fxmegatron.lower.torch_compile import compile_graph
 from fxmegatron.mesh import Axis
@@ -53,16 +54,18 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
                        debug=debug)
     local, plan, placeholders = built.local, built.plan, built.placeholders
     mode = cfg.compile if isinstance(cfg.compile, str) else None
+    # dp_shard="full" on GPUs: inductor schedules its gathers and reduce-scatters (prefetch, overlap)
+    scheduled = schedules_collectives(cfg, axes, device)
     t0 = time.perf_counter()
     gm, pipe = built.whole, None
     if sched is None:
         if cfg.compile:
-            compile_graph(gm, mode)
+            compile_graph(gm, mode, schedule_collectives=scheduled)
     else:
         stage = built.stages[coords.get("pp", 0)]
         if cfg.compile:
             for m in stage.modules.values():
-                compile_graph(m, mode)
+                compile_graph(m, mode, schedule_collectives=scheduled)
         pipe = PipelineProgram(sched, tuple(built.chunks), stage, built.specs)
     timings.update(built.timings)
     timings["materialize_s"] += time.perf_counter() - t0

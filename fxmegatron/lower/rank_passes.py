@@ -48,10 +48,11 @@ DP_SEED_STRIDE = 0x9E3779B1
 
 
 def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_parallel: bool,
-              seed: int, dp_rank: int = 0) -> List[Pass]:
+              seed: int, dp_rank: int = 0, loss_grad_in_place: bool = True) -> List[Pass]:
     """The passes that make one tensor-parallel rank's graph from the captured one: placement
     planning and the rewrite with f/g and sequence collectives on ``group_name`` (the plan
-    and its coverage land in ``gm.meta``), and counter-based dropout."""
+    and its coverage land in ``gm.meta``), and counter-based dropout. ``loss_grad_in_place``:
+    the loss's backward may write over the logits (``passes.loss_grad_in_place``)."""
     def tensor_parallel(gm):
         plan = plan_tensor_parallel(gm, tp, cap.params.keys(), sequence_parallel)
         apply_tensor_parallel(gm, plan, tp_rank, group_name)
@@ -61,8 +62,9 @@ def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_pa
 
     passes = [Pass("tensor_parallel", tensor_parallel, ensures={"tp_rewritten"})]
     passes.append(Pass("loss_reads_logits_dtype", loss_reads_logits_dtype, requires={"tp_rewritten"}))
-    passes.append(Pass("loss_grad_reuses_logits", lambda gm: loss_grad_reuses_logits(gm, tp),
-                       requires={"tp_rewritten"}))
+    if loss_grad_in_place:
+        passes.append(Pass("loss_grad_reuses_logits", lambda gm: loss_grad_reuses_logits(gm, tp),
+                           requires={"tp_rewritten"}))
     passes.append(Pass("attention_rewrites", attention_rewrites, requires={"tp_rewritten"}))
     if tp == 1:
         passes.append(Pass("drop_trivial_collectives", drop_trivial_collectives, requires={"tp_rewritten"}))
@@ -102,6 +104,15 @@ def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
             Pass("cp_local_shapes", check_local_shapes)]
 
 
+def schedules_collectives(cfg, axes: Mapping[str, Axis], device) -> bool:
+    """Whether inductor's overlap scheduler orders this rank's collectives
+    (``lower.torch_compile.inductor_options``): ``dp_shard="full"`` over several ranks, compiled, on
+    GPUs, where its gathers are functional collectives it can move (``ops.dp_gather``)."""
+    shard_world = axes["dp"].size * axes.get("cp", Axis()).size
+    return (cfg.dp_shard == "full" and shard_world > 1 and bool(cfg.compile) and device is not None
+            and torch.device(device).type == "cuda")
+
+
 def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> List[Pass]:
     """Every graph pass of a rank, in order. After ``localize`` the graph holds meta shards.
     Collectives name the tp and cp axes (``TP_AXIS``, ``CP_AXIS``), not process groups: see
@@ -109,7 +120,11 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     passes that only pay off on one kind of device are left out)."""
     tp = axes["tp"]
     passes = cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
-    passes += tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank)
+    # inductor's overlap scheduler wraps the nodes it orders in control_deps subgraphs, and inductor
+    # (torch 2.11) cannot lower a mutating custom op's auto_functionalized_v2 inside one: under the
+    # scheduler the loss's backward writes a new gradient tensor rather than over the logits
+    passes += tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank,
+                        loss_grad_in_place=not schedules_collectives(cfg, axes, device))
     passes += [
         Pass("localize", lambda gm: assemble_local(gm, cap, gm.meta[PLAN], tp.rank, tp.size, "meta"),
              requires={"tp_rewritten"}),
@@ -132,9 +147,11 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
         # before recompute: a block's gather falls inside its recomputed region (see passes.dp_shard)
         policy = RecomputePolicy.of(cfg.recompute)
         again = bool(cfg.compile) and not (policy is not None and policy.blocks)
+        # compiled: torch's functional collectives, which inductor can schedule (ops.dp_gather)
         passes.append(Pass("dp_shard", lambda gm: shard_parameters(gm, cap.params.keys(), shard_world,
                                                                    axes["dp"].size, DP_AXIS, again,
-                                                                   per_use=cfg.pipelined()),
+                                                                   per_use=cfg.pipelined(),
+                                                                   functional=bool(cfg.compile)),
                            requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
     compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"

@@ -40,29 +40,48 @@ def _outside_graph_rng_key():
     return torch._dynamo.disable(rng_key)
 
 
-def compile_graph(gm: fx.GraphModule, mode=None, backend="inductor") -> fx.GraphModule:
+def compile_graph(gm: fx.GraphModule, mode=None, backend="inductor", schedule_collectives: bool = False
+                  ) -> fx.GraphModule:
     """``gm`` with its forward compiled by torch.compile (static shapes: microbatches are all
     the same size). ``mode``: torch.compile's mode (None, "max-autotune-no-cudagraphs", ...);
-    ``backend``: torch.compile's (the tests record the graphs with their own).
+    ``backend``: torch.compile's (the tests record the graphs with their own);
+    ``schedule_collectives``: inductor's overlap scheduler moves the graph's functional
+    collectives (see ``inductor_options``).
     The module keeps its parameters and names; only ``forward`` changes."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is rng_key:
             n.target = _outside_graph_rng_key()
     gm.recompile()
     if backend == "inductor":
-        gm.forward = torch.compile(gm.forward, dynamic=False, options=inductor_options(mode))
+        gm.forward = torch.compile(gm.forward, dynamic=False, options=inductor_options(mode, schedule_collectives))
     else:
         gm.forward = torch.compile(gm.forward, backend=backend, dynamic=False, mode=mode)
     return gm
 
 
-def inductor_options(mode=None) -> dict:
+OVERLAP_SCHEDULING = "aten_distributed_optimizations.enable_overlap_scheduling"
+
+
+def inductor_options(mode=None, schedule_collectives: bool = False) -> dict:
     """What ``mode`` sets in inductor, plus fxmegatron's post-grad pass
     (``lower.inductor_reinplace``). torch.compile takes a mode or options, not both, so
-    the mode's options are spelled out."""
+    the mode's options are spelled out.
+
+    ``schedule_collectives``: inductor's overlap scheduler (``fx_passes.overlap_scheduling``,
+    torchtitan's SimpleFSDP uses it) reorders the post-grad graphs so that each functional
+    collective starts early enough for compute to hide it and is waited for late, within a
+    memory budget: ``dp_shard="full"``'s prefetch of the next block's gather and its
+    reduce-scatters under the backward. It only moves torch's functional collectives
+    (``ops.dp_gather``'s ``functional``), never fxmegatron's own ops, so the tensor- and
+    context-parallel collectives keep the order the passes gave them. Where the installed
+    torch has no such scheduler the option is left out (the graph then runs in pass order)."""
     import torch._inductor
+    import torch._inductor.config as config
     options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     options["post_grad_custom_post_pass"] = loss_grad_over_donated_logits()
+    if schedule_collectives and hasattr(getattr(config, "aten_distributed_optimizations", None),
+                                        "enable_overlap_scheduling"):
+        options[OVERLAP_SCHEDULING] = True
     return options
 
 

@@ -11,7 +11,15 @@ cp ranks add), so a shard's ``.grad`` is this rank's piece of the averaged gradi
 
 Whether the whole parameters stay until the backward or are gathered again is the caller's
 choice (``passes.dp_shard``: inside a recomputed block, or tagged for recomputation under
-``torch.compile``)."""
+``torch.compile``).
+
+``functional``: the gather and the reduce-scatter are torch's functional collectives
+(``_c10d_functional.all_gather_into_tensor`` / ``reduce_scatter_tensor`` and their
+``wait_tensor``) rather than fxmegatron's opaque ops. Under ``torch.compile`` inductor then sees
+each collective's start and its wait apart, so its overlap scheduler
+(``lower.torch_compile``, ``aten_distributed_optimizations``) can issue a block's gather ahead
+of the previous block's compute and wait for a reduce-scatter late: the prefetch and the
+overlap are scheduling decisions on the compiled graph, as in torchtitan's SimpleFSDP."""
 from __future__ import annotations
 
 import math
@@ -47,10 +55,14 @@ def whole(gathered: Tensor, shape: Sequence[int]) -> Tensor:
     return gathered[:math.prod(shape)].view(tuple(shape))
 
 
-def _gather(shards: Sequence[Tensor], world: int, group_name: str) -> tuple:
+def _gather(shards: Sequence[Tensor], world: int, group_name: str, functional: bool = False) -> tuple:
     """Each parameter's ``world`` shards one after the other (flat), from one all-gather."""
     flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
-    out = all_gather(flat, 0, world, group_name)
+    if functional:
+        from torch.distributed import _functional_collectives as funcol
+        out = funcol.wait_tensor(funcol.all_gather_tensor(flat, 0, group_name))
+    else:
+        out = all_gather(flat, 0, world, group_name)
     if len(shards) == 1:
         return (out,)
     # rank-major [world, Σ shard] -> each parameter's world shards one after the other
@@ -59,21 +71,25 @@ def _gather(shards: Sequence[Tensor], world: int, group_name: str) -> tuple:
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, world, divisor, group_name, *shards):
-        ctx.args = (world, divisor, group_name, [s.numel() for s in shards])
-        return _gather(shards, world, group_name)
+    def forward(ctx, world, divisor, group_name, functional, *shards):
+        ctx.args = (world, divisor, group_name, functional, [s.numel() for s in shards])
+        return _gather(shards, world, group_name, functional)
 
     @staticmethod
     def backward(ctx, *grads):
-        world, divisor, group_name, lengths = ctx.args
+        world, divisor, group_name, functional, lengths = ctx.args
         if len(lengths) == 1:
             flat = grads[0]
         else:
             flat = torch.cat([g.reshape(world, n) for g, n in zip(grads, lengths)], dim=1).reshape(-1)
-        piece = reduce_scatter(flat, 0, world, group_name)
+        if functional:
+            from torch.distributed import _functional_collectives as funcol
+            piece = funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "sum", 0, group_name))
+        else:
+            piece = reduce_scatter(flat, 0, world, group_name)
         if divisor != 1:
             piece = piece / divisor
-        return (None, None, None) + tuple(piece.split(lengths))
+        return (None, None, None, None) + tuple(piece.split(lengths))
 
 
 def _gather_again():
@@ -81,8 +97,8 @@ def _gather_again():
     return create_selective_checkpoint_contexts(lambda ctx, func, *a, **k: CheckpointPolicy.MUST_RECOMPUTE)
 
 
-def _unshard(world, divisor, group_name, shapes, *shards):
-    flats = _Unshard.apply(world, divisor, group_name, *shards)
+def _unshard(world, divisor, group_name, functional, shapes, *shards):
+    flats = _Unshard.apply(world, divisor, group_name, functional, *shards)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # eager: mark each whole parameter, so that ``regather_in_backward`` keeps the shards rather than it
         group = _Gathered(shards, world, group_name)
@@ -136,16 +152,18 @@ def regather_in_backward():
 
 
 def unshard(shards: List[Tensor], shapes: List[List[int]], world: int, divisor: int, group_name: str,
-            recompute: bool = False) -> List[Tensor]:
+            recompute: bool = False, functional: bool = False) -> List[Tensor]:
     """The whole parameters of ``shards`` (each of ``shapes``): one all-gather forward, one
     reduce-scatter (divided by ``divisor``) backward. ``recompute``: every op of the gather
     tagged to be recomputed (a checkpoint whose policy recomputes all), so that a compiled
-    backward gathers again rather than keeping the whole parameters from the forward."""
+    backward gathers again rather than keeping the whole parameters from the forward.
+    ``functional``: through torch's functional collectives (see the module's docstring); the
+    group must then be a torch.distributed process group, not a simulated one."""
     if recompute and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
-        return checkpoint(_unshard, world, divisor, group_name, shapes, *shards, use_reentrant=False,
+        return checkpoint(_unshard, world, divisor, group_name, functional, shapes, *shards, use_reentrant=False,
                           context_fn=_gather_again)
-    return _unshard(world, divisor, group_name, shapes, *shards)
+    return _unshard(world, divisor, group_name, functional, shapes, *shards)
 
 
 register(unshard, "unshard", "all-gather(parameter shards) forward, reduce-scatter(gradients)/dp backward", (4,),

@@ -165,8 +165,8 @@ def gather_counts(rank, world, kw):
         calls[0] += 1
         return old(self, x)
 
-    def watched(shards, world, group_name):
-        out = gather(shards, world, group_name)
+    def watched(shards, world, group_name, functional=False):
+        out = gather(shards, world, group_name, functional)
         sizes.append(sum(t.numel() for t in out))
         live.extend(weakref.ref(t) for t in out)
         peak[0] = max(peak[0], sum(r().numel() for r in live if r() is not None))
@@ -175,11 +175,26 @@ def gather_counts(rank, world, kw):
     ProcessGroupComm.all_gather = counted
     if not kw.get("compile"):       # compiled, the gathers are inside the graph, not calls of _gather
         dp_gather._gather = watched
-    try:
+    # compiled, the gathers are torch's functional collectives (ops.dp_gather's functional), counted
+    # as the profiler sees them run
+    from torch.profiler import ProfilerActivity, profile
+
+    def functional_gathers(prof):
+        name = "_c10d_functional::all_gather_into_tensor"      # outermost: a call is several nested events
+        return sum(e.name == name and (e.cpu_parent is None or e.cpu_parent.name != name) for e in prof.events())
+
+    if kw.get("compile"):       # compiled first (tracing dispatches the ops too, on fake tensors)
         pm.eval_step(b)
-        forward = calls[0]
         pm.train_step(b)
+        calls[0] = 0
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            pm.eval_step(b)
+        opaque, forward = calls[0], calls[0] + functional_gathers(prof)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            pm.train_step(b)
+        step = calls[0] - opaque + functional_gathers(prof)
     finally:
         ProcessGroupComm.all_gather, dp_gather._gather = old, gather
-    return {"nodes": nodes, "groups": len(groups), "forward": forward, "step": calls[0] - forward,
+    return {"nodes": nodes, "groups": len(groups), "forward": forward, "step": step, "opaque_gathers": calls[0],
             "blocks": 2, "peak_whole": peak[0] if sizes else None, "largest_group": max(sizes, default=0)}
