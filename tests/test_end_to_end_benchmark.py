@@ -358,3 +358,17 @@ def test_fp8_linear_filter_keeps_what_the_fxmegatron_pass_keeps():
     assert not fp8_linear_filter(model, tokens=8 * 63)(model.block.fc, "block.fc")
     # the name alone marks the head, wherever it sits (HF: ``lm_head`` under the causal LM)
     assert not keep(nn.Linear(32, 64), "model.lm_head")
+
+
+def test_inductor_config_sets_a_dotted_setting_and_names_an_unknown_one():
+    """``--inductor-config KEY=VALUE`` sets torch._inductor.config before any layout compiles; a
+    setting this torch lacks is refused by name (torch 2.11 lacks some of 2.13's)."""
+    import torch._inductor.config as config
+    from end_to_end import set_inductor_config
+    with config.patch({"max_autotune_gemm": False}):
+        assert set_inductor_config(["max_autotune_gemm=True"]) == []
+        assert config.max_autotune_gemm is True
+    (bad,) = set_inductor_config(["aten_distributed_optimizations.no_such_setting=1"])
+    assert "has no setting 'aten_distributed_optimizations.no_such_setting'" in bad
+    (bad,) = set_inductor_config(["max_autotune_gemm=yes please"])
+    assert "not a Python literal" in bad

@@ -295,8 +295,8 @@ def _format(p: RunPlan) -> List[str]:
            + (" + fp32 sums over the microbatches" if p.grad_accum_dtype is not None else "")
            + ({"optimizer": f"; dp_shard optimizer: its state split over dp·cp = {p.dp * p.cp} ranks",
                "gradients": f"; dp_shard gradients: gradients and optimizer state split over dp·cp = {p.dp * p.cp}",
-               "full": f"; dp_shard full: parameters, gradients and optimizer state split over dp·cp = "
-                       f"{p.dp * p.cp} ranks (a block's whole parameters gathered besides)"}.get(p.dp_shard, "")),
+               "full": f"; dp_shard full: parameters, gradients and optimizer state split over dp·cp = {p.dp * p.cp} "
+                       "ranks (one block's gathered besides; compiled on GPUs, overlapped)"}.get(p.dp_shard, "")),
            ""]
     out.append(f"Parameters per rank (elements; tp ranks of a stage hold shards of equal shape: tp rank 0 "
                f"shown, 'stage' = split × {p.tp} + replicated)")
