@@ -18,6 +18,7 @@ from fxmegatron.layout import CP_ATTENTIONS, PRECISIONS, RECOMPUTE_MODES, SCHEDU
 from fxmegatron.ops.fp8 import RECIPES
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
 from fxmegatron.runtime.sharded_dp import DP_SHARD_MODES
+from fxmegatron.train.indexed import prefix_of
 
 try:                            # Python 3.11+
     import tomllib
@@ -83,8 +84,9 @@ KEYS: List[Key] = [
        "tie_embeddings, bias; vocab_size and block_size come from the data)"),
     # ---- data ----
     _k("data", "kind", STR, "text", "text (plain text files, tokenized: a file is a document), jsonl (JSON "
-       "Lines: each record's text_field is a document) or tokens (a flat .bin file of token ids, Megatron's "
-       "and nanoGPT's convention)", choices=("text", "jsonl", "tokens")),
+       "Lines: each record's text_field is a document), tokens (a flat .bin file of token ids, nanoGPT's "
+       "convention) or indexed (Megatron's PREFIX.bin + PREFIX.idx from preprocess_data.py; give PREFIX)",
+       choices=("text", "jsonl", "tokens", "indexed")),
     _k("data", "text_field", STR, "text", "kind = jsonl: the field of each record that holds its text"),
     _k("data", "train", LIST, REQUIRED, "training file(s): a path or a list of paths"),
     _k("data", "valid", LIST, [], "held-out file(s); when empty, the last valid_fraction of the training "
@@ -327,7 +329,12 @@ def check_world(cfg: Config, world: int) -> None:
 def check_files(cfg: Config) -> None:
     """Every file the run reads exists (data, tokenizer, model)."""
     for p in cfg.data.train + cfg.data.valid:
-        if not os.path.isfile(p):
+        if cfg.data.kind == "indexed":      # Megatron's PREFIX (or PREFIX.bin / .idx): both files
+            missing = [f for f in (prefix_of(p) + e for e in (".bin", ".idx")) if not os.path.isfile(f)]
+            if missing:
+                raise ConfigError(f"{cfg.source}: data file {missing[0]} does not exist (data.kind = 'indexed' "
+                                  "reads PREFIX.bin and PREFIX.idx)")
+        elif not os.path.isfile(p):
             raise ConfigError(f"{cfg.source}: data file {p} does not exist")
     if cfg.data.kind in TEXT_KINDS and cfg.data.tokenizer != "bytes" and not os.path.isdir(cfg.data.tokenizer):
         raise ConfigError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer} is not a directory (a Hugging Face "

@@ -16,6 +16,7 @@ from fxmegatron.train import config as config_mod
 from fxmegatron.train.config import TEXT_KINDS, Config
 from fxmegatron.train.data import (Batches, eval_windows, jsonl_tokens, memmap_tokens, split_stream, text_tokens,
                                    tokenizer_vocab_size)
+from fxmegatron.train.indexed import indexed_tokens
 from fxmegatron.train.models import ModelSource, load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -62,6 +63,8 @@ def _streams(cfg: Config, cache_dir: str):
                 raise ConfigError(f"{cfg.source}: data.kind = 'tokens' reads one .bin file per split, got "
                                   f"{len(paths)}: concatenate them")
             return memmap_tokens(paths[0], d.token_dtype)
+        if d.kind == "indexed":
+            return indexed_tokens(paths)
         if d.kind == "jsonl":
             return jsonl_tokens(paths, d.tokenizer, d.text_field, cache_dir=cache_dir)
         return text_tokens(paths, d.tokenizer, cache_dir=cache_dir)
