@@ -29,7 +29,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
                 grad_accum_dtype: Optional[torch.dtype] = None, verify: bool = False, min_split: float = 0.5,
                 cp_attention: str = "ring", precision: str = "bf16", fp8_recipe: str = "tensorwise",
-                fp8_policy="all", dp_shard: str = "none", _chunked: bool = False) -> ParallelModel:
+                fp8_policy="all", dp_shard: str = "none", dp_replicate: int = 1,
+                _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
     ``mesh``: a torch DeviceMesh with dims named from "dp", "pp", "cp", "tp" (or None: one
@@ -92,6 +93,10 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     its bucket) or "full" (ZeRO-3: every parameter a flat shard per rank,
     each block's gathered by one graph node before it and again for the backward, gradients
     reduce-scattered by autograd; ``passes.dp_shard``; in pipeline stages too).
+    ``dp_replicate``: hybrid sharding (HSDP): the mesh's dp ranks split into this many groups
+    (dp-major: ranks 0..dp/R-1 of the dp dim are the first group); each shards over its own ranks
+    (× cp) as ``dp_shard`` says, and the groups are replicas of each other, their reduced shards
+    summed over the ``dp_replicate`` ranks that hold the same shard.
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
     matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """
@@ -102,8 +107,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                  tp_comm_transport=tp_comm_transport, state_dict=state_dict, seed=seed, verbose=verbose,
                  grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked,
                  cp_attention=cp_attention, precision=precision, fp8_recipe=fp8_recipe, fp8_policy=fp8_policy,
-                 dp_shard=dp_shard)
-    axes = mesh_axes(mesh)
+                 dp_shard=dp_shard, dp_replicate=dp_replicate)
+    axes = mesh_axes(mesh, cfg.dp_replicate)
     cfg = cfg.with_degrees(axes)
     cfg.make_schedule()
     device = runtime_device(mesh, model)

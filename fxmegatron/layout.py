@@ -86,6 +86,9 @@ class Layout:
     fp8_recipe: str = _f("option", "tensorwise")
     fp8_policy: Union[str, Sequence[str], FP8Policy] = _f("option", "all")
     dp_shard: str = _f("option", "none")
+    # hybrid sharding (HSDP): the dp ranks split into dp_replicate groups; each shards over its
+    # dp / dp_replicate ranks (× cp) and the groups are replicas of each other
+    dp_replicate: int = _f("option", 1)
 
     def __post_init__(self):
         for name in DEGREES:
@@ -127,6 +130,14 @@ class Layout:
             what = "precision='fp8'" if self.precision == "fp8" else f"tp_comm_overlap={self.tp_comm_overlap}"
             raise ShardingError(f"parallelize(dp_shard='full', {what}): not tested together yet (the gathered weights "
                                 "would feed that pass's ops): use dp_shard='optimizer', or leave it off")
+        if not isinstance(self.dp_replicate, int) or isinstance(self.dp_replicate, bool) or self.dp_replicate < 1:
+            raise ShardingError(f"parallelize(dp_replicate={self.dp_replicate!r}): a number of replica groups >= 1")
+        if self.dp_replicate > 1 and self.dp_shard == "none":
+            raise ShardingError(f"parallelize(dp_replicate={self.dp_replicate}) replicates groups that shard "
+                                "(hybrid sharding): give dp_shard='optimizer', 'gradients' or 'full'")
+        if self.dp_replicate > 1 and self.dp > 1 and self.dp % self.dp_replicate:
+            raise ShardingError(f"parallelize(dp_replicate={self.dp_replicate}): the {self.dp} data-parallel ranks "
+                                f"do not split into {self.dp_replicate} equal groups")
         if self.cp_attention not in CP_ATTENTIONS:
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:
@@ -143,7 +154,7 @@ class Layout:
     def from_mesh(cls, mesh, **options) -> "Layout":
         """From a DeviceMesh (None: one process) and ``parallelize``'s keywords."""
         from fxmegatron.mesh import mesh_axes
-        return cls.from_axes(mesh_axes(mesh), **options)
+        return cls.from_axes(mesh_axes(mesh, options.get("dp_replicate", 1)), **options)
 
     def with_degrees(self, axes: Mapping[str, Any]) -> "Layout":
         """This layout with the degrees of ``axes`` (an Axis per mesh dim)."""

@@ -1,6 +1,8 @@
 """The device mesh as one rank sees it: an ``Axis`` per dim ("dp", "pp", "cp", "tp") and the
 device the rank runs on. With context parallelism and data parallelism both, gradients are
-reduced over the two together ("dp_cp", a flattened mesh dim)."""
+reduced over the two together ("dp_cp", a flattened mesh dim). Under hybrid sharding
+(``dp_replicate`` > 1) "dp_cp" is one replica group's ranks, the ones that shard, and
+"dp_replicate" the ranks holding the same shard in the other groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from fxmegatron.errors import MeshError
 
 KNOWN_DIMS = ("dp", "pp", "cp", "tp")
 SUPPORTED_DIMS = ("dp", "pp", "cp", "tp")
-ALL_AXES = ("dp", "tp", "pp", "cp", "dp_cp")
+ALL_AXES = ("dp", "tp", "pp", "cp", "dp_cp", "dp_replicate")
 MESH_ATTRS = ("mesh_dim_names", "shape", "size", "device_type")
 
 
@@ -36,9 +38,11 @@ class Axis:
         return _resolve_process_group(self.group_name)
 
 
-def mesh_axes(mesh) -> Dict[str, Axis]:
-    """{"dp": Axis, "pp": Axis, "cp": Axis, "tp": Axis, "dp_cp": Axis} from a DeviceMesh, after
-    checking it ("dp_cp": the ranks that hold the same parameters and sum their gradients)."""
+def mesh_axes(mesh, dp_replicate: int = 1) -> Dict[str, Axis]:
+    """{"dp": Axis, "pp": Axis, "cp": Axis, "tp": Axis, "dp_cp": Axis, "dp_replicate": Axis} from a
+    DeviceMesh, after checking it ("dp_cp": the ranks that hold the same parameters and sum their
+    gradients, or under ``dp_replicate`` > 1 the ranks of one replica group, which shard them;
+    "dp_replicate": the ranks that hold the same shard)."""
     if mesh is None:
         return {n: Axis() for n in ALL_AXES}
     # the tests' stand-ins (and any object with DeviceMesh's interface) pass; a device name,
@@ -63,11 +67,35 @@ def mesh_axes(mesh) -> Dict[str, Axis]:
     axes = {}
     for n in ("dp", "tp", "pp", "cp"):
         axes[n] = _axis(mesh[n] if len(names) > 1 else mesh) if n in names else Axis()
+    axes["dp_replicate"] = Axis()
+    if dp_replicate > 1:
+        return _hybrid(mesh, names, axes, dp_replicate)
     both = [n for n in ("dp", "cp") if axes[n].size > 1]
     if len(both) == 2:
         axes["dp_cp"] = _axis(mesh["dp", "cp"]._flatten("dp_cp"))
     else:
         axes["dp_cp"] = axes[both[0]] if both else Axis()
+    return axes
+
+
+def _hybrid(mesh, names, axes: Dict[str, Axis], replicate: int) -> Dict[str, Axis]:
+    # the dp dim cut in (replicate, shard): a DeviceMesh over the same ranks with those two dims
+    # (built by every rank, as DeviceMesh's groups must be), then the shard dim flattened with cp
+    dp = axes["dp"].size
+    if dp % replicate:
+        raise MeshError(f"dp_replicate={replicate}: the mesh's dp dim of {dp} does not split into {replicate} groups")
+    shard = dp // replicate
+    if shard * axes["cp"].size == 1:
+        raise MeshError(f"dp_replicate={replicate} = dp leaves each group one rank to shard over: that is plain "
+                        "data parallelism (dp_shard='none', dp_replicate=1)")
+    at = names.index("dp")
+    grid = mesh.mesh.reshape(*mesh.mesh.shape[:at], replicate, shard, *mesh.mesh.shape[at + 1:])
+    split = DeviceMesh(mesh.device_type, grid, mesh_dim_names=names[:at] + ("dp_replicate", "dp_shard") + names[at + 1:])
+    axes["dp_replicate"] = _axis(split["dp_replicate"])
+    if axes["cp"].size > 1:
+        axes["dp_cp"] = _axis(split["dp_shard", "cp"]._flatten("dp_shard_cp"))
+    else:
+        axes["dp_cp"] = _axis(split["dp_shard"])
     return axes
 
 

@@ -212,5 +212,16 @@ def test_sharded_data_parallelism_divides_what_each_mode_shards():
     assert full.optimizer_bytes == opt.optimizer_bytes
     assert full.param_bytes == -(-none.param_bytes // 4) and full.grad_bytes == -(-none.grad_bytes // 4)
     assert full.activation_bytes == none.activation_bytes
-    assert "dp_shard full: parameters, gradients and optimizer state split over dp·cp = 4 ranks" in \
-        plans["full"].format()
+    assert "gradients and optimizer state split over 4 ranks (dp·cp)" in plans["full"].format()
+
+
+def test_hybrid_sharding_divides_by_one_replica_groups_ranks():
+    """dp_replicate: the pieces are over dp·cp / dp_replicate ranks, and plan.txt says so."""
+    from fxmegatron.layout import Layout
+    kw = dict(param_dtype=torch.bfloat16, optimizer="fused_adamw", device="cpu")
+    flat = plan_run(gpt(), gpt_batch(4), layout=Layout(dp=4, dp_shard="full"), **kw)
+    hybrid = plan_run(gpt(), gpt_batch(4), layout=Layout(dp=4, dp_shard="full", dp_replicate=2), **kw)
+    none = plan_run(gpt(), gpt_batch(4), layout=Layout(dp=4), **kw)
+    assert hybrid.stages[0].param_bytes == -(-none.stages[0].param_bytes // 2)
+    assert flat.stages[0].param_bytes == -(-none.stages[0].param_bytes // 4)
+    assert "split over 2 ranks (dp·cp / dp_replicate)" in hybrid.format()

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from fxmegatron.capture import Captured
 from fxmegatron.lower.materialize import materialize_graph
-from fxmegatron.lower.rank_passes import CP_AXIS, COVERAGE, DP_AXIS, PLAN, TP_AXIS, rank_passes
+from fxmegatron.lower.rank_passes import CP_AXIS, COVERAGE, DP_AXIS, DP_REPLICATE_AXIS, PLAN, TP_AXIS, rank_passes
 from fxmegatron.passes.dp_shard import DP_SHARD
 from fxmegatron.lower.stages import Stage, boundary_specs, build_stage
 from fxmegatron.mesh import Axis
@@ -52,6 +52,14 @@ def rank_axes(layout, coords: Mapping[str, int], groups: Mapping[str, str]) -> D
     for n in AXES:
         size = getattr(layout, n)
         out[n] = Axis(size, coords.get(n, 0), groups.get(n, ""), tuple(range(size)))
+    # the ranks that shard (dp × cp, or under dp_replicate one replica group's) and, under
+    # dp_replicate, the ranks holding the same shard (``mesh.mesh_axes``)
+    replicas, dp = layout.dp_replicate, coords.get("dp", 0)
+    group_dp = layout.dp // replicas
+    size = group_dp * layout.cp
+    out["dp_cp"] = Axis(size, coords.get("dp_cp", dp % group_dp * layout.cp + coords.get("cp", 0)),
+                        groups.get("dp_cp", ""), tuple(range(size)))
+    out["dp_replicate"] = Axis(replicas, dp // group_dp, groups.get("dp_replicate", ""), tuple(range(replicas)))
     return out
 
 
@@ -75,11 +83,12 @@ def build_rank(cap: Captured, layout, coords: Mapping[str, int], device, groups:
     build = [coords.get("pp", 0)] if stages is None else list(stages)
     if device is None:
         build = []
-    bound = {TP_AXIS: groups.get("tp", ""), CP_AXIS: groups.get("cp", ""), DP_AXIS: groups.get("dp_cp", "")}
-    # dp_shard="full": the parameters' shards over dp × cp, whose ranks are dp-major
+    bound = {TP_AXIS: groups.get("tp", ""), CP_AXIS: groups.get("cp", ""), DP_AXIS: groups.get("dp_cp", ""),
+             DP_REPLICATE_AXIS: groups.get("dp_replicate", "")}
+    # dp_shard="full": the parameters' shards over dp × cp (under dp_replicate, one replica group's
+    # dp ranks × cp), whose ranks are dp-major
     shards = local.meta.get(DP_SHARD)
-    shard_at = dict(shards=shards, shard_world=layout.dp * layout.cp,
-                    shard_rank=coords.get("dp_cp", coords.get("dp", 0) * layout.cp + coords.get("cp", 0)))
+    shard_at = dict(shards=shards, shard_world=axes["dp_cp"].size, shard_rank=axes["dp_cp"].rank)
     tp, tp_rank = layout.tp, coords.get("tp", 0)
     t0 = time.perf_counter()
     if not layout.pipelined():

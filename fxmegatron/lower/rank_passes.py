@@ -43,6 +43,7 @@ PLAN, COVERAGE = "fxmegatron/tp_plan", "fxmegatron/tp_coverage"   # keys in Grap
 TP_AXIS = "@tp"
 CP_AXIS = "@cp"
 DP_AXIS = "@dp"     # the ranks that sum gradients: dp, or dp × cp (``dp_shard="full"`` shards over them)
+DP_REPLICATE_AXIS = "@dp_replicate"    # under hybrid sharding: the ranks that hold the same shards
 # data-parallel replicas see different samples: their dropout masks must differ too
 DP_SEED_STRIDE = 0x9E3779B1
 
@@ -104,11 +105,19 @@ def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
             Pass("cp_local_shapes", check_local_shapes)]
 
 
+def shard_world_of(axes: Mapping[str, Axis]) -> int:
+    """The ranks a parameter's shards are spread over: dp × cp, or under hybrid sharding one
+    replica group's dp ranks × cp (the "dp_cp" axis of ``mesh.mesh_axes``)."""
+    if "dp_cp" in axes:
+        return axes["dp_cp"].size
+    return axes["dp"].size * axes.get("cp", Axis()).size
+
+
 def schedules_collectives(cfg, axes: Mapping[str, Axis], device) -> bool:
     """Whether inductor's overlap scheduler orders this rank's collectives
     (``lower.torch_compile.inductor_options``): ``dp_shard="full"`` over several ranks, compiled, on
     GPUs, where its gathers are functional collectives it can move (``ops.dp_gather``)."""
-    shard_world = axes["dp"].size * axes.get("cp", Axis()).size
+    shard_world = shard_world_of(axes)
     return (cfg.dp_shard == "full" and shard_world > 1 and bool(cfg.compile) and device is not None
             and torch.device(device).type == "cuda")
 
@@ -142,16 +151,18 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     if cfg.tp_comm_overlap and tp.size > 1:
         passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
                            requires={"local_shapes"}))
-    shard_world = axes["dp"].size * axes.get("cp", Axis()).size
+    shard_world = shard_world_of(axes)
     if cfg.dp_shard == "full" and shard_world > 1:
         # before recompute: a block's gather falls inside its recomputed region (see passes.dp_shard)
         policy = RecomputePolicy.of(cfg.recompute)
         again = bool(cfg.compile) and not (policy is not None and policy.blocks)
         # compiled: torch's functional collectives, which inductor can schedule (ops.dp_gather)
+        replicas = DP_REPLICATE_AXIS if axes.get("dp_replicate", Axis()).size > 1 else ""
         passes.append(Pass("dp_shard", lambda gm: shard_parameters(gm, cap.params.keys(), shard_world,
                                                                    axes["dp"].size, DP_AXIS, again,
                                                                    per_use=cfg.pipelined(),
-                                                                   functional=bool(cfg.compile)),
+                                                                   functional=bool(cfg.compile),
+                                                                   replicate_group=replicas),
                            requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
     compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"
@@ -172,4 +183,5 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
 def groups(axes: Mapping[str, Axis]) -> dict:
     """The binding of the passes' axis names to this rank's process groups."""
     return {TP_AXIS: axes["tp"].group_name, CP_AXIS: axes.get("cp", Axis()).group_name,
-            DP_AXIS: axes.get("dp_cp", axes["dp"]).group_name}
+            DP_AXIS: axes.get("dp_cp", axes["dp"]).group_name,
+            DP_REPLICATE_AXIS: axes.get("dp_replicate", Axis()).group_name}

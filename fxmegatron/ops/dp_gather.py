@@ -28,7 +28,7 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from fxmegatron.ops.collectives import all_gather, reduce_scatter
+from fxmegatron.ops.collectives import all_gather, all_reduce, reduce_scatter
 from fxmegatron.ops.registry import register
 
 ALIGN = 64      # elements: every shard's length is a multiple (128-byte aligned in bf16)
@@ -71,13 +71,13 @@ def _gather(shards: Sequence[Tensor], world: int, group_name: str, functional: b
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, world, divisor, group_name, functional, *shards):
-        ctx.args = (world, divisor, group_name, functional, [s.numel() for s in shards])
+    def forward(ctx, world, divisor, group_name, functional, replicas, *shards):
+        ctx.args = (world, divisor, group_name, functional, replicas, [s.numel() for s in shards])
         return _gather(shards, world, group_name, functional)
 
     @staticmethod
     def backward(ctx, *grads):
-        world, divisor, group_name, functional, lengths = ctx.args
+        world, divisor, group_name, functional, replicas, lengths = ctx.args
         if len(lengths) == 1:
             flat = grads[0]
         else:
@@ -87,9 +87,14 @@ class _Unshard(torch.autograd.Function):
             piece = funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "sum", 0, group_name))
         else:
             piece = reduce_scatter(flat, 0, world, group_name)
+        if replicas:        # hybrid sharding: the same shard's sums of the other replica groups added
+            if functional:
+                piece = funcol.wait_tensor(funcol.all_reduce(piece, "sum", replicas))
+            else:
+                piece = all_reduce(piece, "sum", replicas)
         if divisor != 1:
             piece = piece / divisor
-        return (None, None, None, None) + tuple(piece.split(lengths))
+        return (None, None, None, None, None) + tuple(piece.split(lengths))
 
 
 def _gather_again():
@@ -97,8 +102,8 @@ def _gather_again():
     return create_selective_checkpoint_contexts(lambda ctx, func, *a, **k: CheckpointPolicy.MUST_RECOMPUTE)
 
 
-def _unshard(world, divisor, group_name, functional, shapes, *shards):
-    flats = _Unshard.apply(world, divisor, group_name, functional, *shards)
+def _unshard(world, divisor, group_name, functional, replicas, shapes, *shards):
+    flats = _Unshard.apply(world, divisor, group_name, functional, replicas, *shards)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # eager: mark each whole parameter, so that ``regather_in_backward`` keeps the shards rather than it
         group = _Gathered(shards, world, group_name)
@@ -152,20 +157,22 @@ def regather_in_backward():
 
 
 def unshard(shards: List[Tensor], shapes: List[List[int]], world: int, divisor: int, group_name: str,
-            recompute: bool = False, functional: bool = False) -> List[Tensor]:
+            recompute: bool = False, functional: bool = False, replicate_group: str = "") -> List[Tensor]:
     """The whole parameters of ``shards`` (each of ``shapes``): one all-gather forward, one
     reduce-scatter (divided by ``divisor``) backward. ``recompute``: every op of the gather
     tagged to be recomputed (a checkpoint whose policy recomputes all), so that a compiled
     backward gathers again rather than keeping the whole parameters from the forward.
     ``functional``: through torch's functional collectives (see the module's docstring); the
-    group must then be a torch.distributed process group, not a simulated one."""
+    group must then be a torch.distributed process group, not a simulated one. ``replicate_group``:
+    hybrid sharding's group of the ranks holding the same shards; the reduce-scattered gradient is
+    summed over it before the division (empty: no replicas)."""
     if recompute and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
-        return checkpoint(_unshard, world, divisor, group_name, functional, shapes, *shards, use_reentrant=False,
-                          context_fn=_gather_again)
-    return _unshard(world, divisor, group_name, functional, shapes, *shards)
+        return checkpoint(_unshard, world, divisor, group_name, functional, replicate_group, shapes, *shards,
+                          use_reentrant=False, context_fn=_gather_again)
+    return _unshard(world, divisor, group_name, functional, replicate_group, shapes, *shards)
 
 
-register(unshard, "unshard", "all-gather(parameter shards) forward, reduce-scatter(gradients)/dp backward", (4,),
+register(unshard, "unshard", "all-gather(parameter shards) forward, reduce-scatter(gradients)/dp backward", (4, 7),
          detail=lambda args: [f"{len(args[0])} parameter(s), {sum(math.prod(s) for s in args[1]):,} elements, "
                               f"{args[2]} shards"])

@@ -47,11 +47,13 @@ def _set_param(gm: fx.GraphModule, name: str, value: nn.Parameter) -> None:
 
 
 def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, divisor: int, group_name: str,
-                     recompute_gather: bool, per_use: bool = False, functional: bool = False) -> fx.GraphModule:
+                     recompute_gather: bool, per_use: bool = False, functional: bool = False,
+                     replicate_group: str = "") -> fx.GraphModule:
     """Shard every parameter in ``params`` over a group of ``world`` ranks named ``group_name``
     and gather each block's before the block (see the module's docstring). ``functional``: the
     gathers are torch's functional collectives, which inductor's overlap scheduler moves
-    (``ops.dp_gather``)."""
+    (``ops.dp_gather``). ``replicate_group``: under hybrid sharding, the group of the ranks that
+    hold the same shards in the other replica groups, over which the reduced shards are summed."""
     if world == 1:
         return gm
     nodes = list(gm.graph.nodes)
@@ -104,7 +106,7 @@ def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, di
             got.append(gets[0])
         with gm.graph.inserting_before(at):
             call = gm.graph.call_function(unshard, ([*got], [list(shapes[n]) for n in names], world, divisor,
-                                                    group_name, recompute_gather, functional))
+                                                    group_name, recompute_gather, functional, replicate_group))
             outs = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(names))]
         for node in [call, *outs]:
             node.meta["nn_module_stack"] = dict(at.meta.get("nn_module_stack") or {})

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from fxmegatron.errors import ReplicaError, ShardingError
 from fxmegatron.lower.materialize import weight_digest
+from fxmegatron.mesh import Axis
 from fxmegatron.runtime.sharded_dp import all_gather, all_reduce, bucket_layout, reduce_scatter_bucket, segments
 
 
@@ -36,8 +37,11 @@ class GradSync:
     def __init__(self, params: Sequence[nn.Parameter], uses: Dict[int, int], group, world: int,
                  bucket_mb: float = 25.0, divisor: Optional[int] = None, shard: bool = False,
                  rank: int = 0, alone: Collection[int] = (), every_microbatch: bool = False,
-                 sum_dtype: Optional[torch.dtype] = None):
+                 sum_dtype: Optional[torch.dtype] = None, replicas=None):
         self.group, self.world, self.rank = group, world, rank
+        # hybrid sharding: the group of the ranks holding the same pieces in the other replica
+        # groups; each reduced piece is summed over it before the division
+        self.replicas = replicas
         self.divisor = world if divisor is None else divisor
         # shard: each bucket reduce-scattered (``runtime.sharded_dp``): this rank keeps its piece in
         # ``pieces[b]`` and the full gradients are dropped once their bucket is launched
@@ -168,12 +172,16 @@ class GradSync:
                 self._retire()
             for b, flat in enumerate(self._sums):
                 dtype = self.buckets[b][0].dtype
+                if self.replicas is not None:
+                    all_reduce(flat, self.replicas).wait()
                 self.pieces[b] = (flat if flat.dtype == dtype else flat.to(dtype)).div_(self.divisor)
             self._sums = [None] * len(self.buckets)
             self.active = False
             return
         for b, (flat, work, _) in enumerate(self._work):
             work.wait()
+            if self.shard and self.replicas is not None:
+                all_reduce(flat, self.replicas).wait()
             if self.divisor != 1:
                 flat.div_(self.divisor)
             if self.shard:
@@ -238,6 +246,7 @@ def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping,
     named = list(named)
     known = known or {}
     checks = [(axes.get("dp_cp", axes["dp"]), "data-parallel replicas", lambda n: True),
+              (axes.get("dp_replicate", Axis()), "replica groups of hybrid sharding", lambda n: True),
               (axes["tp"], "tp ranks (it is replicated over tp)", replicated),
               (axes["pp"], "pipeline ranks holding a copy of this tied weight", lambda n: n in shared)]
     checks = [c for c in checks if c[0].size > 1]

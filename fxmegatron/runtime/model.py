@@ -93,9 +93,11 @@ class ParallelModel(WholeTensors, nn.Module):
         if sync.size > 1 and self.dp_shard != "full":
             shared = pipe.stage.shared if pipe is not None else {}
             alone = {id(p) for n, p in self.named_parameters() if n in shared}
+            replicas = ax.get("dp_replicate")       # hybrid sharding: the same pieces' holders in other groups
             self._grad_sync = GradSync(list(self.parameters()), uses, sync.group, sync.size, divisor=self.dp_size,
                                        shard=self.dp_shard != "none", rank=sync.rank, alone=alone,
-                                       every_microbatch=self.dp_shard == "gradients", sum_dtype=grad_accum_dtype)
+                                       every_microbatch=self.dp_shard == "gradients", sum_dtype=grad_accum_dtype,
+                                       replicas=replicas.group if replicas is not None and replicas.size > 1 else None)
         if dist.is_initialized():
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
                                pipe.stage.shared if pipe is not None else (),
@@ -117,7 +119,7 @@ class ParallelModel(WholeTensors, nn.Module):
     def _axes(self) -> Dict[str, Tuple[int, int]]:
         # every mesh axis, not the flattened dp × cp group of the gradient sum
         return {"dp": (0, 1), "pp": (0, 1), "cp": (0, 1), "tp": (0, 1),
-                **{a: rn for a, rn in self.program.coords().items() if a != "dp_cp"}}
+                **{a: rn for a, rn in self.program.coords().items() if a not in ("dp_cp", "dp_replicate")}}
 
     def coords(self) -> Dict[str, int]:
         """This rank's coordinate on every mesh axis: {"dp": .., "pp": .., "cp": .., "tp": ..}

@@ -136,6 +136,9 @@ KEYS: List[Key] = [
        "or full (the parameters, gradients and state, ZeRO-3); "
        "needs optim.fused",
        choices=DP_SHARD_MODES),
+    _k("layout", "dp_replicate", INT, 1, "hybrid sharding (HSDP): the dp ranks split into this many groups, "
+       "each sharding as dp_shard says over its own dp / dp_replicate ranks, the groups replicas of each other "
+       "(a multi-node job: shard inside a node, replicate across)", minimum=1),
     # ---- optim ----
     _k("optim", "lr", FLOAT, 3e-4, "peak learning rate", minimum=0),
     _k("optim", "min_lr", FLOAT, 3e-5, "learning rate at the end of the decay", minimum=0),

@@ -8,13 +8,11 @@ schedule, from the model on the meta device, without a process group or a weight
 
     python -m fxmegatron.train.plan --llama8b --pp 4 --tp 2 --microbatches 8 --seq 8192
 
-One capture; then the compiler's list of passes and pipeline cut (``lower.rank.build_rank``, as
-``parallelize`` and ``verify`` run them) for tensor-parallel rank 0 only, leaving meta shards: tp ranks hold
-shards of equal shapes and run the same graph, so rank 0 speaks for all. The pipeline cut
-(``split_pipeline``) of that one graph gives every pipeline rank's chunks (chunk c on rank
-c mod pp), so no rank is built twice. Activations are measured on those chunks
-(``plan_memory``); nothing is materialised.
-"""
+One capture; then the compiler's passes and pipeline cut (``lower.rank.build_rank``, as ``parallelize``
+and ``verify`` run them) for tp rank 0 only, leaving meta shards: tp ranks hold shards of equal
+shapes and run the same graph, so rank 0 speaks for all. The cut (``split_pipeline``) of that one
+graph gives every pipeline rank's chunks (chunk c on rank c mod pp), so no rank is built twice;
+activations are measured on them (``plan_memory``); nothing is materialised."""
 from __future__ import annotations
 
 import argparse
@@ -114,6 +112,7 @@ class RunPlan:
     notes: List[str] = field(default_factory=list)
     cp: int = 1                        # context parallelism: activations are cp rank 0's two chunks
     dp_shard: str = "none"             # what the dp·cp ranks shard (counted per rank)
+    shard_ranks: int = 1               # the ranks sharing each piece (dp·cp, or / dp_replicate)
 
     @property
     def tied_copies(self) -> int:
@@ -122,6 +121,10 @@ class RunPlan:
 
     def format(self) -> str:
         return "\n".join(_format(self))
+
+
+SHARDED = {"optimizer": "its state", "gradients": "gradients and optimizer state", "full": "parameters (one "
+           "block's gathered besides; compiled on GPUs, overlapped), gradients and optimizer state"}
 
 
 def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: int = 1, tp: int = 1,
@@ -138,9 +141,9 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     form (``plan_memory``). ``picture``: also draw the schedule to this .png or .svg. ``cp``:
     context parallelism, the graph of cp rank 0 (its two chunks of the sequence; every cp rank
     holds as much), with ``cp_attention``. ``layout``: a ``Layout`` in place of the layout's
-    keywords (dp, pp, tp, cp and the options). ``dp_shard`` (or the layout's): what the dp·cp
-    ranks shard, "optimizer" (its state / (dp·cp)), "gradients" (gradients too) or "full" (parameters as well;
-    the transient gathered block is left out, as the caveat says of gathers)."""
+    keywords (dp, pp, tp, cp and the options). ``dp_shard`` (or the layout's, over dp·cp /
+    dp_replicate ranks): "optimizer" (its state), "gradients" (gradients too) or "full" (parameters
+    too; the transient gathered block left out, as the caveat says of gathers)."""
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
@@ -189,7 +192,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     for st in stages:
         st.recompute_bytes = max(regions[c] for c in st.chunks)
     dp_shard = layout.dp_shard if layout is not None else dp_shard
-    shards = dp * cp if dp_shard != "none" else 1
+    shards = dp * cp // (layout.dp_replicate if layout is not None else 1) if dp_shard != "none" else 1
     for st in stages:       # each rank's share (the padding of each piece left out)
         st.optimizer_bytes = -(-st.optimizer_bytes // shards)
         if dp_shard in ("gradients", "full"):
@@ -218,7 +221,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
         tied_numel={n: cap.params[n].numel() for n in tied},
         bubble=res.overall_bubble_fraction if res else None, timeline=timeline_text(sched, res) if res else "",
         coverage=built.coverage.summary() if tp > 1 else "",
-        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes), cp=cp, dp_shard=dp_shard)
+        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes), cp=cp, dp_shard=dp_shard, shard_ranks=shards)
 
 
 def _in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> nn.Module:
@@ -293,10 +296,8 @@ def _format(p: RunPlan) -> List[str]:
            f"{p.microbatches} microbatch(es) of {', '.join(p.microbatch)} per dp rank",
            f"optimizer {p.optimizer} ({OPTIMIZER_NOTES[p.optimizer]}); gradients {dt}"
            + (" + fp32 sums over the microbatches" if p.grad_accum_dtype is not None else "")
-           + ({"optimizer": f"; dp_shard optimizer: its state split over dp·cp = {p.dp * p.cp} ranks",
-               "gradients": f"; dp_shard gradients: gradients and optimizer state split over dp·cp = {p.dp * p.cp}",
-               "full": f"; dp_shard full: parameters, gradients and optimizer state split over dp·cp = {p.dp * p.cp} "
-                       "ranks (one block's gathered besides; compiled on GPUs, overlapped)"}.get(p.dp_shard, "")),
+           + (f"; dp_shard {p.dp_shard}: {SHARDED[p.dp_shard]} split over {p.shard_ranks} ranks (dp·cp"
+              f"{'' if p.shard_ranks == p.dp * p.cp else ' / dp_replicate'})" if p.dp_shard != "none" else ""),
            ""]
     out.append(f"Parameters per rank (elements; tp ranks of a stage hold shards of equal shape: tp rank 0 "
                f"shown, 'stage' = split × {p.tp} + replicated)")
@@ -364,11 +365,11 @@ def _parser() -> argparse.ArgumentParser:
                           ("seq", 8192), ("micro-batch-size", 1)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--schedule", choices=SCHEDULE_NAMES)
-    ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    ap.add_argument("--grad-accum-fp32", action="store_true")
+    for flag in ("--grad-accum-fp32", "--sequence-parallel"):
+        ap.add_argument(flag, action="store_true")
     ap.add_argument("--picture", help="also draw the schedule to this .png/.svg")
     return ap
 
@@ -383,8 +384,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
         model.train()
-    rows = a.micro_batch_size * a.microbatches * a.dp
-    ids = torch.zeros(rows, a.seq, dtype=torch.long, device="meta")
+    ids = torch.zeros(a.micro_batch_size * a.microbatches * a.dp, a.seq, dtype=torch.long, device="meta")
     plan = plan_run(model, {"input_ids": ids, "labels": ids}, dp=a.dp, pp=a.pp, tp=a.tp, cp=a.cp,
                     sequence_parallel=a.sequence_parallel, recompute=a.recompute, virtual_stages=a.virtual_stages,
                     microbatches=a.microbatches, schedule=a.schedule, param_dtype=getattr(torch, a.dtype),

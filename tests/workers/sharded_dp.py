@@ -198,3 +198,17 @@ def gather_counts(rank, world, kw):
         ProcessGroupComm.all_gather, dp_gather._gather = old, gather
     return {"nodes": nodes, "groups": len(groups), "forward": forward, "step": step, "opaque_gathers": calls[0],
             "blocks": 2, "peak_whole": peak[0] if sizes else None, "largest_group": max(sizes, default=0)}
+
+
+def hybrid_refused(rank, world):
+    """dp_replicate = dp without cp: the error (one rank a group to shard over)."""
+    import fxmegatron
+    from fxmegatron.errors import MeshError
+
+    model = models.build("gpt", n_layer=1)
+    try:
+        fxmegatron.parallelize(model, _mesh({"dp": world}), models.batch("gpt", batch_size=4), dp_shard="full",
+                               dp_replicate=world)
+    except MeshError as e:
+        return str(e)
+    return None

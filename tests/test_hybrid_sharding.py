@@ -1,0 +1,49 @@
+"""Hybrid sharding (HSDP, ``dp_replicate``): the mesh's dp ranks split into replica groups, each
+sharding over its own ranks (× cp), the groups replicas of each other. Against the unmodified
+model on gloo, fp32: five clipped AdamW steps on different batches with masked labels give its
+losses (1e-5), norms and every parameter (1e-4), in every sharded mode; each rank holds its
+group's share (1/(dp·cp/dp_replicate)), not the world's."""
+import pytest
+
+from fxmegatron.errors import ShardingError
+from fxmegatron.layout import Layout
+from tests.distributed import run_distributed
+from tests.test_sharded_dp import _check
+from tests.workers.sharded_dp import hybrid_refused, shard_parity
+
+# layout -> (mesh, models, parallelize's keywords)
+LAYOUTS = {
+    "dp4-r2-full": ({"dp": 4}, ("gpt2",), {"dp_shard": "full"}),
+    "dp4-r2-optimizer": ({"dp": 4}, ("gpt",), {"dp_shard": "optimizer"}),
+    "dp4-r2-gradients-m2": ({"dp": 4}, ("llama",), {"dp_shard": "gradients", "microbatches": 2}),
+    # the shards over one replica group's cp ranks (one dp rank a group)
+    "dp2-cp2-r2-full": ({"dp": 2, "cp": 2}, ("gpt",), {"dp_shard": "full"}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hybrid_sharded_steps_match(layout):
+    dims, names, kw = LAYOUTS[layout]
+    world = 1
+    for v in dims.values():
+        world *= v
+    per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, {"dp_replicate": 2, **kw})
+    _check(per_rank, world)
+    shards = dims["dp"] * dims.get("cp", 1) // 2
+    for res in per_rank:
+        for r in res.values():
+            assert r["state_bytes"] <= 12 * (r["whole_numel"] / shards + 64 * r["n_params"]), r
+            # the group's share, not the world's (the pieces of buckets are not exact halves)
+            assert r["state_bytes"] > 12 * r["whole_numel"] / (shards + 1), r
+
+
+def test_hybrid_sharding_is_refused_where_it_means_nothing():
+    with pytest.raises(ShardingError, match=r"dp_replicate=2\) replicates groups that shard .*give dp_shard"):
+        Layout(dp=4, dp_replicate=2)
+    with pytest.raises(ShardingError, match=r"the 6 data-parallel ranks do not split into 4 equal groups"):
+        Layout(dp=6, dp_replicate=4, dp_shard="full")
+
+
+def test_one_rank_a_group_is_refused_as_plain_data_parallelism():
+    for msg in run_distributed(hybrid_refused, 2):
+        assert msg is not None and "dp_replicate=2 = dp leaves each group one rank to shard over" in msg, msg
