@@ -14,10 +14,9 @@ from tests.workers.sharded_dp import hybrid_refused, shard_parity
 # layout -> (mesh, models, parallelize's keywords)
 LAYOUTS = {
     "dp4-r2-full": ({"dp": 4}, ("gpt2",), {"dp_shard": "full"}),
-    "dp4-r2-optimizer": ({"dp": 4}, ("gpt",), {"dp_shard": "optimizer"}),
     "dp4-r2-gradients-m2": ({"dp": 4}, ("llama",), {"dp_shard": "gradients", "microbatches": 2}),
-    # the shards over one replica group's cp ranks (one dp rank a group)
-    "dp2-cp2-r2-full": ({"dp": 2, "cp": 2}, ("gpt",), {"dp_shard": "full"}),
+    # the pieces over one replica group's cp ranks (one dp rank a group)
+    "dp2-cp2-r2-optimizer": ({"dp": 2, "cp": 2}, ("gpt",), {"dp_shard": "optimizer"}),
 }
 
 
