@@ -95,7 +95,7 @@ number of processes):
   with the flag on too. On torch 2.11 (two H100s, bf16) an fxmegatron row built after this one,
   or this row built after an fxmegatron row, trains wrong from its first gradient (docs/TRAINING.md,
   "Beside torch's async TP"): run it in a job of its own until that is understood.
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-zero1|-zero3][-fp8|-fp8row][-ovN][-nccl|-ce]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-zero1|-zero3[-repN]][-fp8|-fp8row][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device (an HF model as fxmegatron's trainer builds it). tp > 1 turns sequence
   parallelism on (``-nosp``: off); ``-vN`` virtual stages (interleaved 1F1B); ``-mN``
@@ -108,7 +108,8 @@ number of processes):
   "max-autotune-no-cudagraphs"); ``-rsel``/``-rfull``: recomputation; ``-acc32``: gradients
   summed over microbatches in fp32 (``grad_accum_dtype=torch.float32``); ``-zero1``: the
   optimizer's state sharded over dp (``dp_shard="optimizer"``, the optimizer ``pm.adamw``); ``-zero3``:
-  parameters, gradients and state sharded (``dp_shard="full"``); ``-fp8``/``-fp8row``:
+  parameters, gradients and state sharded (``dp_shard="full"``); ``-repN``: hybrid sharding, N replica
+  groups each sharding over dp / N ranks (``dp_replicate=N``); ``-fp8``/``-fp8row``:
   linear layers' GEMMs in FP8 (``precision="fp8"``, tensorwise / rowwise scales); ``-ovN``: sequence
   parallelism's collectives overlapped with their matmuls, the batch cut in N pieces
   (``tp_comm_overlap=N``; over copy engines, the tp ranks' sequence slices, whatever N),
@@ -116,7 +117,8 @@ number of processes):
   (``-ce``: insist on it) or by NCCL (``-nccl``): ``tp_comm_transport``. ``-fadam`` (which
   once gave fxmegatron rows FusedAdamW alone) is still accepted and does nothing: every row
   now uses --optimizer's optimizer; with ``--optimizer master`` it is refused.
-- ``fsdp2-dpN[-compile][-rfull]``: PyTorch's FSDP2 as torchtitan runs it (benchmarks/e2e/fsdp_builders.py).
+- ``fsdp2-dpN[-repN][-compile][-rfull]``: PyTorch's FSDP2 as torchtitan runs it (benchmarks/e2e/fsdp_builders.py);
+  ``-repN``: HSDP, ``fully_shard`` on an (N, dp / N) mesh.
 - ``-mN`` on eager/compile/native-tpN: gradient accumulation over N microbatches.
 
 A step: the model phase, forward + backward of the global batch (``pm.train_step(batch)`` for

@@ -36,6 +36,10 @@ def build_fsdp2(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = meshes(dp=lay.dp)
+    if lay.rep > 1:     # HSDP: fully_shard on a 2-D mesh replicates over its first axis, shards over its second
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(mesh.device_type, (lay.rep, lay.dp // lay.rep),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
     model = spec.meta(torch.float32)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}    # computed on the CPU (rotary)
     layers = decoder_layers(model)
@@ -69,11 +73,11 @@ def build_fsdp2(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
         return _ClippedAdamW(params, lr, fused=dev.type == "cuda")
     # data parallel: this rank's share of the global batch; the step's loss is the mean over the ranks
     # (each share holds as many tokens), as fxmegatron's train_step returns it
-    mine = accumulate(model, spec, spec.chunk(batch, lay.dp)[mesh.get_local_rank()], lay.m)
+    mine = accumulate(model, spec, spec.chunk(batch, lay.dp)[torch.distributed.get_rank()], lay.m)
 
     def fwd_bwd():
         loss = mine().detach().float().clone()
-        torch.distributed.all_reduce(loss, group=mesh.get_group())
+        torch.distributed.all_reduce(loss)
         return loss / lay.dp
     return Job(params, fwd_bwd, norm,
                lambda n: torch.nn.utils.clip_grads_with_norm_(params, 1.0, n), [model], adamw)

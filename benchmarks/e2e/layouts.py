@@ -32,6 +32,7 @@ class Layout:
     liger: bool = False         # compile -layers-liger: and Liger's RMSNorm, SwiGLU and fused linear cross-entropy
     zero1: bool = False         # fx -zero1: parallelize(dp_shard="optimizer"), the optimizer built by pm.adamw
     zero3: bool = False         # fx -zero3: parallelize(dp_shard="full")
+    rep: int = 1                # -repN (fx -zero1/-zero3, fsdp2): hybrid sharding, N replica groups of dp / N shards
 
     @property
     def world(self):
@@ -48,14 +49,15 @@ class Layout:
             fp8 = f"torchao float8 {self.fp8} + " if self.fp8 else ""
             return f"the plain model, {fp8}{what}{liger}"
         if self.kind == "fsdp2":
-            return (f"PyTorch FSDP2 over dp {self.dp}, each decoder layer fully_shard-ed"
+            over = f"dp {self.dp}" if self.rep == 1 else f"dp {self.dp} (HSDP: {self.rep} replicas of {self.dp // self.rep} shards)"
+            return (f"PyTorch FSDP2 over {over}, each decoder layer fully_shard-ed"
                     + (" and compiled" if self.compile else "") + (", recomputed" if self.recompute == "full" else "")
                     + ", fp32 parameters, compute in --dtype, fp32 gradient reduction")
         if self.kind != "fx":
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
                     "native": f"PyTorch-native DTensor TP, tp {self.tp}"
                               + (", async TP" if self.async_tp else "")}[self.kind]
-        what = "fxmegatron" + (" dp_shard=optimizer" if self.zero1 else "") + (" dp_shard=full" if self.zero3 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
+        what = "fxmegatron" + (" dp_shard=optimizer" if self.zero1 else "") + (" dp_shard=full" if self.zero3 else "") + (f" dp_replicate={self.rep}" if self.rep > 1 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
         if self.compile:
             return what + " + compile" + (f" ({self.compile})" if isinstance(self.compile, str) else "")
         return what + (", the rest eager" if self.fuse else ", eager")
@@ -71,9 +73,9 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
     lay = Layout(name, head)
     m, rest_eager = None, False
     for tok in tokens:
-        num = re.fullmatch(r"(tp|pp|dp|v|m|ov)(\d+)", tok)
+        num = re.fullmatch(r"(tp|pp|dp|v|m|ov|rep)(\d+)", tok)
         if num and (head == "fx" or num.group(1) in ("tp", "m") and (head == "native" or num.group(1) == "m")
-                    or head == "fsdp2" and num.group(1) in ("dp", "m")):
+                    or head == "fsdp2" and num.group(1) in ("dp", "m", "rep")):
             key, val = num.group(1), int(num.group(2))
             if val < 1:
                 raise ValueError(f"layout {name!r}: {tok} must be >= 1")
@@ -150,6 +152,9 @@ def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused", device
         return f"{lay.name}: -zero1/-zero3 shard FusedAdamW's state (pm.adamw); --optimizer is {optimizer!r}"
     if lay.zero1 and lay.zero3:
         return f"{lay.name}: -zero1 or -zero3, not both"
+    if lay.rep > 1 and (lay.kind == "fx" and not (lay.zero1 or lay.zero3) or lay.dp % lay.rep):
+        return (f"{lay.name}: -rep{lay.rep} (hybrid sharding) splits dp {lay.dp} into {lay.rep} equal replica groups "
+                "that shard (fx: with -zero1 or -zero3)")
     if lay.kind == "fsdp2" and optimizer != "fused":
         return f"{lay.name}: the FSDP2 row runs torch's fused AdamW on its fp32 shards; --optimizer is {optimizer!r}"
     if lay.fadam and optimizer != "fused":
