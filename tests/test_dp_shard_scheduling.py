@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from fxmegatron.layout import Layout
-from fxmegatron.lower.rank_passes import schedules_collectives, tp_passes
-from fxmegatron.lower.torch_compile import OVERLAP_SCHEDULING, inductor_options
+from fxmegatron.lower.rank_passes import rank_passes, schedules_collectives, tp_passes
+from fxmegatron.lower.torch_compile import OVERLAP_DEPS, OVERLAP_SCHEDULING, inductor_options, scheduler_wraps_nodes
 from fxmegatron.mesh import Axis
 
-HAS_SCHEDULER = hasattr(getattr(torch._inductor.config, "aten_distributed_optimizations", None),
-                        "enable_overlap_scheduling")
+DIST = getattr(torch._inductor.config, "aten_distributed_optimizations", None)
+HAS_SCHEDULER = hasattr(DIST, "enable_overlap_scheduling")
+HAS_DEPS_SETTING = hasattr(DIST, "insert_overlap_deps")
 
 
 def _axes(dp=2, cp=1):
@@ -45,9 +46,29 @@ def test_the_scheduler_is_asked_for_only_where_scheduled():
     assert "post_grad_custom_post_pass" in opts
 
 
-def test_under_the_scheduler_the_loss_grad_does_not_write_over_the_logits():
-    """The scheduler wraps the nodes it orders in control_deps, which cannot hold the in-place
-    loss backward's auto_functionalized op: the pass that makes it in place is left out."""
+@pytest.mark.skipif(not HAS_DEPS_SETTING, reason="this torch's overlap scheduler always inserts control_deps")
+def test_the_scheduler_leaves_its_order_unwrapped_unless_the_user_chose():
+    assert inductor_options(schedule_collectives=True)[OVERLAP_DEPS] is False
+    assert OVERLAP_DEPS not in inductor_options()
+    assert not scheduler_wraps_nodes()
+    for chosen in (True, False):        # an explicit inductor setting is the user's
+        with torch._inductor.config.patch({OVERLAP_DEPS: chosen}):
+            assert OVERLAP_DEPS not in inductor_options(schedule_collectives=True)
+            assert scheduler_wraps_nodes() is chosen
+
+
+def test_the_loss_grad_writes_over_the_logits_unless_control_deps_wrap_it():
+    """Where the scheduler wraps the nodes it orders in control_deps, which cannot hold the
+    in-place loss backward's auto_functionalized op, the pass that makes it in place is left
+    out; elsewhere (not scheduled, or scheduled without the wrappers) it stays."""
     names = lambda **kw: [p.name for p in tp_passes(None, 1, 0, "", False, 0, **kw)]
     assert "loss_grad_reuses_logits" in names()
     assert "loss_grad_reuses_logits" not in names(loss_grad_in_place=False)
+    cfg = Layout(dp=2, dp_shard="full", compile=True)
+    in_rank = lambda device: "loss_grad_reuses_logits" in [p.name for p in rank_passes(None, _axes(), cfg, device)]
+    assert in_rank("cpu")                                   # not scheduled
+    assert in_rank("cuda") is not scheduler_wraps_nodes()
+    if HAS_DEPS_SETTING:
+        assert in_rank("cuda")
+        with torch._inductor.config.patch({OVERLAP_DEPS: True}):
+            assert not in_rank("cuda")

@@ -16,6 +16,7 @@ import torch.fx as fx
 from fxmegatron.capture import Captured
 from fxmegatron.errors import ShardingError
 from fxmegatron.lower.materialize import materialize_graph
+from fxmegatron.lower.torch_compile import scheduler_wraps_nodes
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_kernel import fused_attention_kernel
 from fxmegatron.passes.attention_rewrites import attention_rewrites
@@ -129,11 +130,12 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     passes that only pay off on one kind of device are left out)."""
     tp = axes["tp"]
     passes = cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
-    # inductor's overlap scheduler wraps the nodes it orders in control_deps subgraphs, and inductor
-    # (torch 2.11) cannot lower a mutating custom op's auto_functionalized_v2 inside one: under the
-    # scheduler the loss's backward writes a new gradient tensor rather than over the logits
+    # where inductor's overlap scheduler pins its order in control_deps subgraphs, inductor (torch 2.11)
+    # cannot lower a mutating custom op's auto_functionalized_v2 inside one: there the loss's backward
+    # writes a new gradient tensor rather than over the logits
+    wrapped = schedules_collectives(cfg, axes, device) and scheduler_wraps_nodes()
     passes += tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank,
-                        loss_grad_in_place=not schedules_collectives(cfg, axes, device))
+                        loss_grad_in_place=not wrapped)
     passes += [
         Pass("localize", lambda gm: assemble_local(gm, cap, gm.meta[PLAN], tp.rank, tp.size, "meta"),
              requires={"tp_rewritten"}),
