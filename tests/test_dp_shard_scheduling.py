@@ -9,7 +9,8 @@ import torch
 
 from fxmegatron.layout import Layout
 from fxmegatron.lower.rank_passes import rank_passes, schedules_collectives, tp_passes
-from fxmegatron.lower.torch_compile import OVERLAP_DEPS, OVERLAP_SCHEDULING, inductor_options, scheduler_wraps_nodes
+from fxmegatron.lower.overlap_scheduler import OVERLAP_DEPS, OVERLAP_SCHEDULING, scheduler_wraps_nodes
+from fxmegatron.lower.torch_compile import inductor_options
 from fxmegatron.mesh import Axis
 
 DIST = getattr(torch._inductor.config, "aten_distributed_optimizations", None)
@@ -72,3 +73,50 @@ def test_the_loss_grad_writes_over_the_logits_unless_control_deps_wrap_it():
         assert in_rank("cuda")
         with torch._inductor.config.patch({OVERLAP_DEPS: True}):
             assert not in_rank("cuda")
+
+
+class _Options:       # inductor's aten_distributed_optimizations as an older torch has it
+    enable_overlap_scheduling = False
+
+
+def _older_torch(monkeypatch, takes_deps: bool):
+    import fxmegatron.lower.overlap_scheduler as sched
+    calls = []
+
+    def schedule_overlap_bucketing(gm, insert_overlap_deps=True):
+        calls.append(insert_overlap_deps)
+    monkeypatch.setattr(sched, "_dist_options", lambda: _Options())
+    monkeypatch.setattr(sched, "_unwrapped_call", lambda: schedule_overlap_bucketing if takes_deps else None)
+    return calls
+
+
+def test_without_the_option_fxmegatron_runs_the_scheduler_unwrapped_after_its_own_pass(monkeypatch):
+    """torch 2.11: no insert_overlap_deps option, but the scheduler function takes it. The
+    post-grad pass runs the loss's copy-back, then the scheduler, unwrapped, where the graph
+    waits for a collective; the loss's gradient stays in place."""
+    import torch.fx as fx
+    calls = _older_torch(monkeypatch, takes_deps=True)
+    opts = inductor_options(schedule_collectives=True)
+    assert OVERLAP_SCHEDULING not in opts and not scheduler_wraps_nodes()
+    run = opts["post_grad_custom_post_pass"]
+    assert run.uuid() != inductor_options()["post_grad_custom_post_pass"].uuid()   # another cache key
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.ops.aten.neg.default, (x,)))
+    run(g)
+    assert calls == []                                      # nothing to wait for: not scheduled
+    g.call_function(torch.ops._c10d_functional.wait_tensor.default, (x,))
+    run(g)
+    assert calls == [False]
+    cfg = Layout(dp=2, dp_shard="full", compile=True)
+    assert "loss_grad_reuses_logits" in [p.name for p in rank_passes(None, _axes(), cfg, "cuda")]
+
+
+def test_where_only_the_wrapping_scheduler_exists_the_loss_grad_is_a_new_tensor(monkeypatch):
+    calls = _older_torch(monkeypatch, takes_deps=False)
+    opts = inductor_options(schedule_collectives=True)
+    assert opts[OVERLAP_SCHEDULING] is True and OVERLAP_DEPS not in opts and scheduler_wraps_nodes()
+    cfg = Layout(dp=2, dp_shard="full", compile=True)
+    assert "loss_grad_reuses_logits" not in [p.name for p in rank_passes(None, _axes(), cfg, "cuda")]
+    assert "loss_grad_reuses_logits" in [p.name for p in rank_passes(None, _axes(), cfg, "cpu")]
+    assert calls == []

@@ -16,7 +16,7 @@ import torch.fx as fx
 from fxmegatron.capture import Captured
 from fxmegatron.errors import ShardingError
 from fxmegatron.lower.materialize import materialize_graph
-from fxmegatron.lower.torch_compile import scheduler_wraps_nodes
+from fxmegatron.lower.overlap_scheduler import scheduler_wraps_nodes
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.attention_kernel import fused_attention_kernel
 from fxmegatron.passes.attention_rewrites import attention_rewrites

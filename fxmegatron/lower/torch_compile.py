@@ -31,6 +31,7 @@ import torch.fx as fx
 from fxmegatron.errors import CompileError
 from fxmegatron.ops.dropout import rng_key
 from fxmegatron.lower.inductor_reinplace import loss_grad_over_donated_logits
+from fxmegatron.lower.overlap_scheduler import scheduling_options
 
 
 
@@ -59,25 +60,6 @@ def compile_graph(gm: fx.GraphModule, mode=None, backend="inductor", schedule_co
     return gm
 
 
-OVERLAP_SCHEDULING = "aten_distributed_optimizations.enable_overlap_scheduling"
-OVERLAP_DEPS = "aten_distributed_optimizations.insert_overlap_deps"
-
-
-def _dist_options():
-    import torch._inductor.config as config
-    return getattr(config, "aten_distributed_optimizations", None)
-
-
-def scheduler_wraps_nodes() -> bool:
-    """Whether inductor's overlap scheduler, when on, pins its order by wrapping the nodes it
-    moved in ``control_deps`` subgraphs. It does where this torch has no
-    ``insert_overlap_deps`` setting or the user set it True. Those subgraphs cannot hold an
-    ``auto_functionalized`` op (torch 2.11: "auto_functionalized_v2 is not an OpOverload",
-    pytorch#182947) and keep inductor from fusing across them."""
-    opts = _dist_options()
-    return not hasattr(opts, "insert_overlap_deps") or opts.insert_overlap_deps is True
-
-
 def inductor_options(mode=None, schedule_collectives: bool = False) -> dict:
     """What ``mode`` sets in inductor, plus fxmegatron's post-grad pass
     (``lower.inductor_reinplace``). torch.compile takes a mode or options, not both, so
@@ -92,16 +74,12 @@ def inductor_options(mode=None, schedule_collectives: bool = False) -> dict:
     context-parallel collectives keep the order the passes gave them. Where the installed
     torch has no such scheduler the option is left out (the graph then runs in pass order).
     Unless the user chose otherwise, the scheduler's order is left in the graph without
-    ``control_deps`` wrappers (``scheduler_wraps_nodes``): inductor's scheduler keeps the
-    graph's order of the nodes it does not fuse."""
+    ``control_deps`` wrappers (``lower.overlap_scheduler``)."""
     import torch._inductor
     options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     options["post_grad_custom_post_pass"] = loss_grad_over_donated_logits()
-    opts = _dist_options()
-    if schedule_collectives and hasattr(opts, "enable_overlap_scheduling"):
-        options[OVERLAP_SCHEDULING] = True
-        if hasattr(opts, "insert_overlap_deps") and opts.insert_overlap_deps is None:
-            options[OVERLAP_DEPS] = False
+    if schedule_collectives:
+        options.update(scheduling_options(options["post_grad_custom_post_pass"]))
     return options
 
 
