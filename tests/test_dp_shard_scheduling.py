@@ -48,14 +48,13 @@ def test_the_scheduler_is_asked_for_only_where_scheduled():
 
 
 @pytest.mark.skipif(not HAS_DEPS_SETTING, reason="this torch's overlap scheduler always inserts control_deps")
-def test_the_scheduler_leaves_its_order_unwrapped_unless_the_user_chose():
-    assert inductor_options(schedule_collectives=True)[OVERLAP_DEPS] is False
-    assert OVERLAP_DEPS not in inductor_options()
-    assert not scheduler_wraps_nodes()
-    for chosen in (True, False):        # an explicit inductor setting is the user's
+def test_the_users_choice_of_control_deps_is_left_to_inductor():
+    """fxmegatron asks for the scheduler and leaves insert_overlap_deps as the user set it:
+    None (inductor's default, wrapped), True or False."""
+    for chosen, wraps in ((None, True), (True, True), (False, False)):
         with torch._inductor.config.patch({OVERLAP_DEPS: chosen}):
             assert OVERLAP_DEPS not in inductor_options(schedule_collectives=True)
-            assert scheduler_wraps_nodes() is chosen
+            assert scheduler_wraps_nodes() is wraps
 
 
 def test_the_loss_grad_writes_over_the_logits_unless_control_deps_wrap_it():
@@ -68,55 +67,7 @@ def test_the_loss_grad_writes_over_the_logits_unless_control_deps_wrap_it():
     cfg = Layout(dp=2, dp_shard="full", compile=True)
     in_rank = lambda device: "loss_grad_reuses_logits" in [p.name for p in rank_passes(None, _axes(), cfg, device)]
     assert in_rank("cpu")                                   # not scheduled
-    assert in_rank("cuda") is not scheduler_wraps_nodes()
+    assert not in_rank("cuda")                              # scheduled, wrapped (inductor's default)
     if HAS_DEPS_SETTING:
-        assert in_rank("cuda")
-        with torch._inductor.config.patch({OVERLAP_DEPS: True}):
-            assert not in_rank("cuda")
-
-
-class _Options:       # inductor's aten_distributed_optimizations as an older torch has it
-    enable_overlap_scheduling = False
-
-
-def _older_torch(monkeypatch, takes_deps: bool):
-    import fxmegatron.lower.overlap_scheduler as sched
-    calls = []
-
-    def schedule_overlap_bucketing(gm, insert_overlap_deps=True):
-        calls.append(insert_overlap_deps)
-    monkeypatch.setattr(sched, "_dist_options", lambda: _Options())
-    monkeypatch.setattr(sched, "_unwrapped_call", lambda: schedule_overlap_bucketing if takes_deps else None)
-    return calls
-
-
-def test_without_the_option_fxmegatron_runs_the_scheduler_unwrapped_after_its_own_pass(monkeypatch):
-    """torch 2.11: no insert_overlap_deps option, but the scheduler function takes it. The
-    post-grad pass runs the loss's copy-back, then the scheduler, unwrapped, where the graph
-    waits for a collective; the loss's gradient stays in place."""
-    import torch.fx as fx
-    calls = _older_torch(monkeypatch, takes_deps=True)
-    opts = inductor_options(schedule_collectives=True)
-    assert OVERLAP_SCHEDULING not in opts and not scheduler_wraps_nodes()
-    run = opts["post_grad_custom_post_pass"]
-    assert run.uuid() != inductor_options()["post_grad_custom_post_pass"].uuid()   # another cache key
-    g = fx.Graph()
-    x = g.placeholder("x")
-    g.output(g.call_function(torch.ops.aten.neg.default, (x,)))
-    run(g)
-    assert calls == []                                      # nothing to wait for: not scheduled
-    g.call_function(torch.ops._c10d_functional.wait_tensor.default, (x,))
-    run(g)
-    assert calls == [False]
-    cfg = Layout(dp=2, dp_shard="full", compile=True)
-    assert "loss_grad_reuses_logits" in [p.name for p in rank_passes(None, _axes(), cfg, "cuda")]
-
-
-def test_where_only_the_wrapping_scheduler_exists_the_loss_grad_is_a_new_tensor(monkeypatch):
-    calls = _older_torch(monkeypatch, takes_deps=False)
-    opts = inductor_options(schedule_collectives=True)
-    assert opts[OVERLAP_SCHEDULING] is True and OVERLAP_DEPS not in opts and scheduler_wraps_nodes()
-    cfg = Layout(dp=2, dp_shard="full", compile=True)
-    assert "loss_grad_reuses_logits" not in [p.name for p in rank_passes(None, _axes(), cfg, "cuda")]
-    assert "loss_grad_reuses_logits" in [p.name for p in rank_passes(None, _axes(), cfg, "cpu")]
-    assert calls == []
+        with torch._inductor.config.patch({OVERLAP_DEPS: False}):
+            assert in_rank("cuda")

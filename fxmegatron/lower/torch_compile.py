@@ -73,13 +73,12 @@ def inductor_options(mode=None, schedule_collectives: bool = False) -> dict:
     (``ops.dp_gather``'s ``functional``), never fxmegatron's own ops, so the tensor- and
     context-parallel collectives keep the order the passes gave them. Where the installed
     torch has no such scheduler the option is left out (the graph then runs in pass order).
-    Unless the user chose otherwise, the scheduler's order is left in the graph without
-    ``control_deps`` wrappers (``lower.overlap_scheduler``)."""
+    How it pins its order, and what that costs the loss: ``lower.overlap_scheduler``."""
     import torch._inductor
     options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     options["post_grad_custom_post_pass"] = loss_grad_over_donated_logits()
     if schedule_collectives:
-        options.update(scheduling_options(options["post_grad_custom_post_pass"]))
+        options.update(scheduling_options())
     return options
 
 
