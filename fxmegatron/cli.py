@@ -147,6 +147,8 @@ def verify_main(argv):
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
     ap.add_argument("--dp-shard", default="none", choices=DP_SHARD_MODES,
                     help="what the dp (and cp) ranks shard; 'full' is simulated with every rank's shards")
+    ap.add_argument("--dp-replicate", type=int, default=1,
+                    help="hybrid sharding: the dp ranks in this many groups, each sharding over its own ranks")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if (args.config is None) == (args.factory is None):
@@ -172,7 +174,8 @@ def verify_main(argv):
                     lay = Layout(tp=tp, pp=pp, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
                                  dp=args.dp, sequence_parallel=sp, recompute=args.recompute, schedule=args.schedule,
                                  blocks_per_chunk=args.blocks_per_chunk, seed=args.seed, cp=args.cp,
-                                 cp_attention=args.cp_attention, dp_shard=args.dp_shard)
+                                 cp_attention=args.cp_attention, dp_shard=args.dp_shard,
+                                 dp_replicate=args.dp_replicate)
                     print(verify(copy.deepcopy(model), batch, layout=lay), flush=True)
                 except FxMegatronError as exc:
                     failed += 1

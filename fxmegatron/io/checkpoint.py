@@ -3,7 +3,8 @@
 * **Sharded**: each rank of data-parallel replica 0 (and context-parallel rank 0:
   the cp ranks of a (pp, tp) place hold the same parameters) writes the parameters (and
   AdamW moments) it holds, as they are, with how they are split recorded in the
-  file's metadata. Nothing is gathered on one rank.
+  file's metadata. Under ``dp_shard`` every rank of the first sharding group writes its
+  own flat ranges (``io.flat_pieces``). Nothing is gathered on one rank.
 * **Atomic**: files go to ``DIR.tmp``. ``index.json`` is written last, and the
   folder is then renamed to ``DIR``. A folder without an index is never loaded,
   so a save that dies half-way cannot be taken for a complete one.
@@ -25,24 +26,24 @@ a fused QKV weight (``Shard(dim, blocks)``). The on-disk layout here is what
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-import itertools
 import json
 import os
 import shutil
-import warnings
+from collections.abc import Mapping
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fxmegatron.errors import CheckpointError
-from fxmegatron.placement import Placements, join_layout, layout_from_json, layout_to_json, take_layout
+from fxmegatron.io.checkpoint_reader import FORMAT, CheckpointReader
+from fxmegatron.io.flat_pieces import flat_meta, optimizer_ranges, param_ranges, shard_group
+from fxmegatron.placement import Placements, layout_to_json
 from fxmegatron.ops.dropout import DropoutRng
 
-FORMAT = "fxmegatron-checkpoint/1"
 # A shard's digest between its write and the index; none is left in a complete checkpoint.
 DIGEST_SUFFIX = ".digest.json"
 
@@ -90,14 +91,55 @@ def _piece_meta(layout: Placements, coords, shape) -> dict:
             "degrees": {a: coords.get(a, (0, 1))[1] for a in axes}, "shape": list(shape)}
 
 
-def _per_axis(m: dict) -> dict:
-    """A piece's metadata in the per-axis form; checkpoints written before it recorded tp
-    alone ({"placement", "tp_rank", "tp"})."""
-    if "layout" in m:
-        return m
-    sharded = m["placement"] != "R"
-    return {"layout": {"tp": m["placement"]} if sharded else {}, "coords": {"tp": m["tp_rank"]} if sharded else {},
-            "degrees": {"tp": m["tp"]} if sharded else {}, "shape": m["shape"]}
+def _rank_tensors(pm, optimizer, lead: bool):
+    """The tensors this rank writes, by key, and their metadata: its flat ranges of sharded ones;
+    the whole ones too where ``lead``."""
+    tensors, meta = {}, {}
+    coords = pm.program.coords()
+
+    def put(key, t, m, rng=None, local=None):
+        if rng is None:
+            tensors[key], meta[key] = t.detach().contiguous().cpu(), m
+        elif rng[1] > rng[0]:
+            if key in tensors:
+                raise CheckpointError(f"{key}: this rank holds two ranges of it; one is expected")
+            tensors[key], meta[key] = t.detach().contiguous().cpu(), flat_meta(m, rng[0], rng[1], local)
+
+    base, ranges = {}, {}
+    for name, p in pm.named_parameters():
+        base[name] = _piece_meta(pm.program.param_layout(name), coords, pm.program.global_params[name][0])
+        ranges[name] = list(param_ranges(pm, name, p))
+        for a, b, t in ranges[name]:
+            put("model/" + name, t, base[name], (a, b), pm.program.dp_shards[name])
+        if not ranges[name] and lead:
+            put("model/" + name, p, base[name])
+    if optimizer is None:
+        return tensors, meta
+    names = _names(pm, optimizer)
+    if hasattr(optimizer, "segments"):         # ShardedAdamW: its segments of whole parameters
+        held = optimizer_ranges(optimizer)
+        step = torch.tensor(float(optimizer.steps_taken))
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                name = names[id(p)]
+                if lead:
+                    put(f"optim/{name}/step", step.clone(), _piece_meta(Placements(), {}, ()))
+                for field, rs in held.get(id(p), {}).items():
+                    for a, b, t in rs:
+                        put(f"optim/{name}/{field}", t, base[name], (a, b), tuple(p.shape))
+        return tensors, meta
+    for p, st in optimizer.state.items():
+        name = names[id(p)]
+        for k, v in st.items():
+            if not torch.is_tensor(v):
+                raise CheckpointError(f"optimizer state {name}.{k} is a {type(v).__name__}, not a tensor")
+            key = f"optim/{name}/{k}"
+            if v.shape == p.shape and ranges[name]:
+                for a, b, _ in ranges[name]:
+                    put(key, v.reshape(-1)[:b - a], base[name], (a, b), pm.program.dp_shards[name])
+            elif lead:
+                put(key, v, base[name] if v.shape == p.shape else _piece_meta(Placements(), {}, v.shape))
+    return tensors, meta
 
 
 def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
@@ -111,35 +153,17 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
         os.makedirs(tmp)
     _barrier()
     coords = pm.coords()
-    # a sharded optimizer (dp_shard) assembles each parameter's whole state from every rank's share:
-    # collective, so every rank asks before the writers write
-    states = optimizer.full_state() if hasattr(optimizer, "full_state") else \
-        (optimizer.state if optimizer is not None else {})
-    # dp_shard="full": each parameter and its state put together from the dp shards (collective too)
-    names = _names(pm, optimizer)
-    local = {name: pm.whole_local(name, p) for name, p in pm.named_parameters()}
-    states = {p: {k: pm.whole_local(names[id(p)], v) if torch.is_tensor(v) else v for k, v in st.items()}
-              for p, st in states.items()}
-    if coords["dp"] == 0 and coords["cp"] == 0:
-        tensors, meta = {}, {}
-        for name, p in pm.named_parameters():
-            key = "model/" + name
-            tensors[key] = local[name].detach().contiguous().cpu()
-            meta[key] = _piece_meta(pm.program.param_layout(name), pm.program.coords(),
-                                    pm.program.global_params[name][0])
-        for p, st in states.items():
-            name = names[id(p)]
-            for k, v in st.items():
-                if not torch.is_tensor(v):
-                    raise CheckpointError(f"optimizer state {name}.{k} is a {type(v).__name__}, not a tensor")
-                key = f"optim/{name}/{k}"
-                tensors[key] = v.detach().contiguous().cpu()
-                if v.shape == local[name].shape:
-                    meta[key] = dict(meta["model/" + name])
-                else:
-                    meta[key] = _piece_meta(Placements(), {}, v.shape)
-        # one file per writer: named by every axis that tells writers apart (dp and cp do not)
+    # under dp_shard each rank of the first replica group writes the flat ranges it holds
+    # (io.flat_pieces); what every rank of the group holds whole, its rank 0 alone
+    group, first_replica = shard_group(pm)
+    sharded = pm.dp_shard != "none"
+    lead = first_replica and group.rank == 0
+    if (sharded and first_replica) or lead:
+        tensors, meta = _rank_tensors(pm, optimizer, lead)
+        # one file per writer: named by every axis that tells writers apart (dp and cp do not; under
+        # dp_shard, the rank's place in its sharding group does)
         who = "-".join(f"{a}{r}" for a, r in sorted(coords.items()) if a not in ("dp", "cp"))
+        who += f"-shard{group.rank}" if sharded else ""
         shard = f"{tmp}/shard-{who}.safetensors"
         save_file(tensors, shard, metadata={"fxmegatron": json.dumps(meta)})
         # Each writer hashes its own shard (no rank reads the whole checkpoint) and leaves the
@@ -181,135 +205,38 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
     _barrier()
 
 
-class _Reader:
-    """Every saved piece of every tensor, read lazily from the safetensors files. A file's digest
-    (``index["digests"]``) is checked the first time a tensor is read from it, so a rank hashes
-    only the shards it loads from; checkpoints written before digests load unchecked, with a
-    warning."""
+def _param_state(rd, pm, name: str, p, keys) -> dict:
+    """Parameter ``name``'s optimizer state as this rank holds it, read from the checkpoint."""
+    st = {}
+    for key in keys:
+        m = next(iter(rd.pieces[key].values()))[1]
+        t = pm.shard_local(name, rd.local(key, pm, name)) \
+            if m["shape"] == list(pm.program.global_params[name][0]) and p.dim() > 0 else rd.full(key)
+        st[key.rsplit("/", 1)[1]] = t.to(p.device)
+    return st
 
-    def __init__(self, directory: str):
-        self.directory = directory
-        path = os.path.join(directory, "index.json")
-        if not os.path.exists(path):
-            raise CheckpointError(f"{directory} has no index.json: not a checkpoint, or a save that did not "
-                                  "finish (an unfinished save leaves only DIR.tmp)")
-        try:
-            with open(path) as f:
-                self.index = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
-        if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
-            got = self.index.get("format") if isinstance(self.index, dict) else self.index
-            raise CheckpointError(f"{path}: format {got!r}, expected {FORMAT!r}")
-        self.digests = self.index.get("digests")
-        self._verified = set()
-        self.pieces: Dict[str, Dict[int, tuple]] = {}
-        for fname in self.index["files"]:
-            fpath = os.path.join(directory, fname)
-            if not os.path.exists(fpath):
-                raise CheckpointError(f"{directory}: {fname} is listed in index.json but missing")
-            want = (self.digests or {}).get(fname)
-            if want is not None and os.path.getsize(fpath) != want["bytes"]:
-                raise CheckpointError(f"{fpath}: {os.path.getsize(fpath)} bytes, index.json says {want['bytes']}: "
-                                      "a truncated or replaced shard")
-            try:
-                with safe_open(fpath, "pt") as f:
-                    meta = json.loads(f.metadata()["fxmegatron"])
-            except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
-                self.verify(fpath)     # a corrupted file is named as such before its symptom
-                raise CheckpointError(f"{fpath}: not a readable checkpoint shard ({type(exc).__name__}: "
-                                      f"{exc})") from exc
-            for key, m in meta.items():
-                m = _per_axis(m)
-                at = tuple(m["coords"][a] for a in layout_from_json(m["layout"]).sharded())
-                self.pieces.setdefault(key, {})[at] = (fpath, m)
 
-    def verify(self, fpath: str) -> None:
-        """CheckpointError when ``fpath``'s sha256 is not the one its index recorded."""
-        if fpath in self._verified:
-            return
-        if self.digests is None:
-            if not self._verified and _rank() == 0:
-                warnings.warn(f"{os.path.join(self.directory, 'index.json')} has no shard digests (written "
-                              "before fxmegatron recorded them): its shards load unverified", stacklevel=4)
-            self._verified.add(fpath)
-            return
-        want = self.digests.get(os.path.basename(fpath))
-        if want is None:
-            raise CheckpointError(f"{fpath}: index.json records no digest for it, as it does for the other shards")
-        with open(fpath, "rb") as f:
-            got = hashlib.file_digest(f, "sha256").hexdigest()
-        if got != want["sha256"]:
-            raise CheckpointError(f"{fpath}: sha256 {got[:16]}..., index.json recorded {want['sha256'][:16]}...: "
-                                  "the shard changed after it was saved (a corrupted disk or copy); restore it or "
-                                  "resume from another checkpoint")
-        self._verified.add(fpath)
+class _OnDemand(Mapping):
+    """{index: state}, each read when it is looked up (an optimizer's ``load_state_dict`` takes
+    one parameter's at a time), so no rank holds every parameter's whole state at once."""
 
-    def verify_all(self) -> None:
-        for fname in self.index["files"]:
-            self.verify(os.path.join(self.directory, fname))
+    def __init__(self, read: Dict[int, Callable[[], dict]]):
+        self._read = read
 
-    def shape(self, key: str) -> list:
-        return next(iter(self.pieces[key].values()))[1]["shape"]
+    def __getitem__(self, i):
+        return self._read[i]()
 
-    def full(self, key: str) -> torch.Tensor:
-        pieces = self.pieces[key]
-        m0 = next(iter(pieces.values()))[1]
-        layout, degrees = layout_from_json(m0["layout"]), m0["degrees"]     # degrees: the cutting axes
-        want = list(itertools.product(*(range(degrees[a]) for a in layout.sharded())))
-        if sorted(pieces) != want:
-            raise CheckpointError(f"{self.directory}: {key}: pieces {sorted(pieces)} over "
-                                  f"{', '.join(f'{a}={n}' for a, n in degrees.items())} in the checkpoint")
-        parts = {}
-        for at in want:
-            fpath, _ = pieces[at]
-            self.verify(fpath)
-            try:
-                with safe_open(fpath, "pt") as f:
-                    parts[at] = f.get_tensor(key)
-            except SafetensorError as exc:
-                raise CheckpointError(f"{fpath}: cannot read {key} ({exc})") from exc
-        full = join_layout(parts, layout, degrees)
-        if list(full.shape) != m0["shape"]:
-            raise CheckpointError(f"{self.directory}: {key}: reassembled shape {list(full.shape)} != saved "
-                                  f"{m0['shape']}")
-        return full
+    def __iter__(self):
+        return iter(self._read)
 
-    def local(self, key: str, pm, name: str) -> torch.Tensor:
-        full = self.full(key)
-        want = pm.program.global_params[name][0]
-        if tuple(full.shape) != tuple(want):
-            raise CheckpointError(f"{self.directory}: {key}: the checkpoint's shape {tuple(full.shape)} differs "
-                                  f"from the model's {tuple(want)}")
-        return take_layout(full, pm.program.param_layout(name), pm.program.coords())
-
-    def check_model(self, pm) -> None:
-        """CheckpointError, before anything is loaded, when the checkpoint's parameters are not the
-        model's: one it lacks (of those this rank holds), one the model does not have, a shape."""
-        saved = {k[len("model/"):] for k in self.pieces if k.startswith("model/")}
-        model = pm.program.global_params
-        missing = [n for n, _ in pm.named_parameters() if n not in saved]
-        extra = sorted(saved - set(model))
-        shapes = [(n, self.shape("model/" + n), list(model[n][0])) for n in model
-                  if n in saved and self.shape("model/" + n) != list(model[n][0])]
-        if not (missing or extra or shapes):
-            return
-        self.verify_all()      # a corrupted shard is named as such, not as another model
-        what = []
-        if missing:
-            what.append(f"no parameter {missing[0]!r} ({len(missing)} missing)")
-        if extra:
-            what.append(f"parameter {extra[0]!r} that the model does not have ({len(extra)} such)")
-        if shapes:
-            n, was, now = shapes[0]
-            what.append(f"{n!r} of shape {was}, the model's is {now} ({len(shapes)} such)")
-        raise CheckpointError(f"{self.directory}: a checkpoint of another model: " + "; ".join(what))
+    def __len__(self):
+        return len(self._read)
 
 
 def load(pm, optimizer, directory: str) -> dict:
     """Load a checkpoint saved at any (dp, pp, tp) into ``pm`` (and ``optimizer``);
     returns the ``extra`` dict given to ``save``."""
-    rd = _Reader(directory)
+    rd = CheckpointReader(directory)
     rd.check_model(pm)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -322,21 +249,15 @@ def load(pm, optimizer, directory: str) -> dict:
         for gi, g in enumerate(optimizer.param_groups):
             ids = []
             for p in g["params"]:
-                name = names[id(p)]
-                st = {}
-                for key in [k for k in rd.pieces if k.startswith(f"optim/{name}/")]:
-                    field = key.rsplit("/", 1)[1]
-                    m = next(iter(rd.pieces[key].values()))[1]
-                    t = pm.shard_local(name, rd.local(key, pm, name)) \
-                        if m["shape"] == list(pm.program.global_params[name][0]) and p.dim() > 0 else rd.full(key)
-                    st[field] = t.to(p.device)
-                if st:
-                    state[idx] = st
+                keys = [k for k in rd.pieces if k.startswith(f"optim/{names[id(p)]}/")]
+                if keys:
+                    state[idx] = functools.partial(_param_state, rd, pm, names[id(p)], p, keys)
                 ids.append(idx)
                 idx += 1
             saved = rd.index["param_groups"][gi] if gi < len(rd.index["param_groups"]) else {}
             groups.append({**{k: v for k, v in g.items() if k != "params"}, **saved, "params": ids})
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        # read as the optimizer asks for each parameter's state: one parameter's whole state at a time
+        optimizer.load_state_dict({"state": _OnDemand(state), "param_groups": groups})
     step = rd.index.get("rng_step")
     if step is not None:
         for m in _rng_modules(pm):
@@ -348,10 +269,10 @@ def read_full_state(directory: str) -> Dict[str, torch.Tensor]:
     """Every parameter of a checkpoint saved at any (dp, pp, tp), whole, under the model's names
     (a tied weight once, under the name the capture kept; a weight that several pipeline ranks
     hold, such as a tied embedding and LM head, once). Optimizer state is left out."""
-    rd = _Reader(directory)
+    rd = CheckpointReader(directory)
     return {key[len("model/"):]: rd.full(key) for key in sorted(rd.pieces) if key.startswith("model/")}
 
 
 def read_extra(directory: str) -> dict:
     """The ``extra`` dict given to ``save``, without reading any tensor."""
-    return _Reader(directory).index.get("extra", {})
+    return CheckpointReader(directory).index.get("extra", {})

@@ -100,7 +100,9 @@ class SimulatedGroup:
         self._barrier.abort()
 
     def exchange(self, rank: int, x: Tensor) -> List[Tensor]:
-        self._slots[rank] = x.detach()
+        # a copy: a rank may write over its tensor as soon as it has its result (GradSync's
+        # in-place all-reduce does) while another still reads it
+        self._slots[rank] = x.detach().clone()
         self._barrier.wait()
         got = list(self._slots)
         self._barrier.wait()     # nobody refills a slot before every rank has read them all

@@ -12,8 +12,8 @@ element a rank holds 12/world bytes of optimizer state instead of 12.
 Hyperparameters are per group, as in ``FusedAdamW``: ``param_groups`` are the groups given
 (with their whole parameters, which checkpoints name), and what is set there (an LR
 scheduler's or the trainer's ``group["lr"]``) reaches the segments at the next step.
-Checkpoints see whole per-parameter states (``full_state``, ``load_state_dict``), so they load
-at any layout and mode."""
+Checkpoints write each rank's segments as they are (``segment_state``; ``io.flat_pieces``) and
+load whole per-parameter states (``load_state_dict``), so they load at any layout and mode."""
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Union
@@ -126,37 +126,11 @@ class ShardedAdamW:
         self.sync.pieces = [None] * len(self.sync.buckets)
 
     # ---- checkpoints: whole per-parameter states, as FusedAdamW's ------------------------------
-    def _field(self, i: int, field: str) -> Tensor:
+    def segment_state(self, i: int, field: str) -> Tensor:
+        """Segment ``i``'s slice of state ``field`` ("exp_avg", "exp_avg_sq", "master"): flat, this rank's."""
         k, j = self._slot[id(self._views[i])]
         inner = self._inner[k]
         return {"exp_avg": inner.exp_avgs, "exp_avg_sq": inner.exp_avg_sqs, "master": inner.masters}[field][j]
-
-    @torch.no_grad()
-    def full_state(self) -> Dict[Tensor, dict]:
-        """Per parameter, FusedAdamW's ``state`` form ({"step", "exp_avg", "exp_avg_sq",
-        "master"}, whole, on the CPU), assembled from every rank's segments: one all-gather per
-        bucket and field. Collective over the data-parallel group: every rank calls it."""
-        sync = self.sync
-        by_bucket: Dict[int, List[int]] = {}
-        for i, s in enumerate(self.segments):
-            by_bucket.setdefault(s.bucket, []).append(i)
-        out: Dict[Tensor, dict] = {}
-        step = torch.tensor(float(self.steps_taken))
-        for b, bucket in enumerate(sync.buckets):
-            offsets, padded = bucket_layout([p.numel() for p in bucket], sync.world)
-            for p in bucket:
-                out[p] = {"step": step.clone()}
-            for field in ("exp_avg", "exp_avg_sq", "master"):
-                piece = torch.zeros(padded // sync.world, dtype=torch.float32, device=bucket[0].device)
-                for i in by_bucket.get(b, ()):
-                    s = self.segments[i]
-                    piece[s.at:s.at + s.numel].copy_(self._field(i, field))
-                whole = piece.new_empty(padded)
-                all_gather(whole, piece, sync.group)
-                whole = whole.cpu()
-                for p, o in zip(bucket, offsets):
-                    out[p][field] = whole[o:o + p.numel()].view(p.shape).clone()
-        return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -188,7 +162,7 @@ class ShardedAdamW:
                 k, j = self._slot[id(self._views[i])]
                 self._inner[k].steps[j] = step
                 for field in ("exp_avg", "exp_avg_sq", "master"):
-                    dst = self._field(i, field)
+                    dst = self.segment_state(i, field)
                     if field in st:
                         dst.copy_(st[field].reshape(-1)[s.start:s.stop])
                     elif field != "master":

@@ -39,7 +39,9 @@ each holding its shard of every parameter; the ``unshard`` nodes gather and redu
 over a simulated dp × cp group, and the gradients are put together from the shards
 (``sharded.py``). Under "optimizer" and "gradients" the graphs are those of "none", and the
 runtime's own ``GradSync`` reduces their buckets over the simulated group into each rank's
-pieces, from which the whole gradients are gathered (``sharded.RuntimeReduction``).
+pieces, from which the whole gradients are gathered (``sharded.RuntimeReduction``). Under
+hybrid sharding (``dp_replicate``) each replica group shards over its own simulated group and
+the pieces are summed over a simulated group of the replicas, as ``mesh.mesh_axes`` cuts dp.
 """
 from __future__ import annotations
 
@@ -166,14 +168,15 @@ def _without_dropout(gm):
 # the layout's fields that verify simulates (the rest, such as fuse, compile or fp8, have no
 # simulated form: tests/test_layout.py lists them); a layout handed in keeps these alone
 VERIFIED = ("dp", "pp", "cp", "tp", "cp_attention", "sequence_parallel", "recompute", "microbatches",
-            "virtual_stages", "schedule", "blocks_per_chunk", "seed", "dp_shard")
+            "virtual_stages", "schedule", "blocks_per_chunk", "seed", "dp_shard", "dp_replicate")
 
 
 def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual_stages: int = 1,
            microbatches: int = 1, dp: int = 1, sequence_parallel: bool = False, recompute="none",
            schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None, batch=None,
            seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4, cp: int = 1,
-           cp_attention: str = "ring", layout: Optional[Layout] = None, dp_shard: str = "none") -> VerifyReport:
+           cp_attention: str = "ring", layout: Optional[Layout] = None, dp_shard: str = "none",
+           dp_replicate: int = 1) -> VerifyReport:
     """Check the layout dp × pp (``virtual_stages`` chunks per rank, ``microbatches`` per
     step) × ``cp`` (context parallelism, its attention by ``cp_attention``) × ``tp`` of
     ``model`` on simulated ranks; see the module doc. ``example_batch``
@@ -189,7 +192,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         lay = Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches, dp=dp,
                      sequence_parallel=sequence_parallel, recompute=recompute, schedule=schedule,
                      blocks_per_chunk=blocks_per_chunk, seed=seed, cp=cp, cp_attention=cp_attention,
-                     dp_shard=dp_shard)
+                     dp_shard=dp_shard, dp_replicate=dp_replicate)
     else:
         lay = Layout(**{n: getattr(layout, n) for n in VERIFIED})
     tp, pp, dp, seed, cp = lay.tp, lay.pp, lay.dp, lay.seed, lay.cp
@@ -243,14 +246,18 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
 
     programs = [[None] * (cp * tp) for _ in range(dp)]     # by replica, then cp rank · tp + tp rank
 
-    def rank_body(d: int, c: int, rank: int, group_name: str, cp_group: str, dp_group: str = ""):
+    shard = dp // lay.dp_replicate      # the dp ranks of one replica group (hybrid sharding)
+
+    def rank_body(d: int, c: int, rank: int, group_name: str, cp_group: str, dp_group: str = "",
+                  replica_group: str = ""):
         prog = build_program(cap, lay, rank, group_name, d, seed, dropout, d == 0 and c == 0 and rank == 0, c,
-                             cp_group, dp_group)
+                             cp_group, dp_group, replica_group)
         programs[d][c * tp + rank] = prog
         # the counts of every replica's microbatches: what the all-reduce over dp adds up
         counts = None if prog.counter is None else [[prog.counter(mb) for mb in rep] for rep in micro]
         weights = replica_weights(counts, d, dp, microbatches)
-        reduction = RuntimeReduction(prog, lay.dp_shard, dp_group, dp * cp, dp, d * cp + c) if runtime else None
+        reduction = RuntimeReduction(prog, lay.dp_shard, dp_group, shard * cp, dp, d % shard * cp + c,
+                                     replica_group) if runtime else None
         if reduction is not None:
             reduction.start(microbatches)
         with regather_in_backward() if sharded else contextlib.nullcontext():    # as train_step runs it
@@ -263,7 +270,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     sharded = lay.dp_shard == "full" and dp * cp > 1
     runtime = lay.dp_shard in SHARDED_OPTIMIZER and dp * cp > 1
     if sharded or runtime:      # every rank at once: the gathers and reductions span the replicas
-        flat = run_mesh(dp, cp, tp, lambda d, c, t, g: rank_body(d, c, t, g["tp"], g["cp"], g["dp_cp"]))
+        flat = run_mesh(dp, cp, tp, lambda d, c, t, g: rank_body(d, c, t, g["tp"], g["cp"], g["dp_cp"],
+                                                                 g["dp_replicate"]), lay.dp_replicate)
         results = [flat[d * cp * tp:(d + 1) * cp * tp] for d in range(dp)]
     else:           # the replicas one after the other, each with its own simulated tp and cp groups
         results = [run_grid(cp, tp, functools.partial(rank_body, d)) for d in range(dp)]
@@ -280,7 +288,8 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         if runtime:         # reduced over dp × cp already, the same on every rank of the group
             g = [dict(x) for x in results[0][t]["grads"]]
         elif sharded:
-            g = join_dp_shards([results[d][c * tp + t]["grads"] for d in range(dp) for c in range(cp)],
+            # the first replica group's shards (under hybrid sharding each group holds them all)
+            g = join_dp_shards([results[d][c * tp + t]["grads"] for d in range(shard) for c in range(cp)],
                                programs[0][t].local.meta.get(DP_SHARD, {}))
         else:
             g = average_over_replicas([sum_over_cp([results[d][c * tp + t]["grads"] for c in range(cp)])
@@ -359,6 +368,8 @@ def layout_name(lay: Layout) -> str:
         parts.append(f"recompute={lay.recompute}")
     if lay.dp_shard != "none":
         parts.append(f"dp_shard={lay.dp_shard}")
+    if lay.dp_replicate > 1:
+        parts.append(f"dp_replicate={lay.dp_replicate}")
     return " ".join(parts)
 
 

@@ -67,7 +67,7 @@ BUILD_LOCK = threading.Lock()     # build_program's docstring says why
 
 def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
                   dropout: bool, with_coverage: bool, cp_rank: int = 0, cp_group: str = "",
-                  dp_group: str = "") -> SimulatedRank:
+                  dp_group: str = "", replica_group: str = "") -> SimulatedRank:
     """The program of tp rank ``tp_rank`` of replica ``dp_rank``, built by the compiler's own
     list of passes (``lower.rank.build_rank``, its tp collectives on ``group_name``), then
     materialised on the CPU as each pipeline rank would (every pipeline rank's stage).
@@ -79,17 +79,19 @@ def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_
     therefore take turns (``BUILD_LOCK``); the ranks' programs still run side by side."""
     with BUILD_LOCK:
         return _build_program(cap, lay, tp_rank, group_name, dp_rank, seed, dropout, with_coverage, cp_rank, cp_group,
-                              dp_group)
+                              dp_group, replica_group)
 
 
 def _build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
-                   dropout: bool, with_coverage: bool, cp_rank: int, cp_group: str, dp_group: str) -> SimulatedRank:
+                   dropout: bool, with_coverage: bool, cp_rank: int, cp_group: str, dp_group: str,
+                   replica_group: str) -> SimulatedRank:
     gm = copy.deepcopy(cap.gm)
     if lay.seed != seed:
         lay = dataclasses.replace(lay, seed=seed)
     # every pipeline rank's stage, on the CPU, from the rank's own copy of the capture's graph
     built = build_rank(cap, lay, {"tp": tp_rank, "dp": dp_rank, "cp": cp_rank}, "cpu",
-                       {"tp": group_name, "cp": cp_group, "dp_cp": dp_group}, stages=range(lay.pp), graph=gm)
+                       {"tp": group_name, "cp": cp_group, "dp_cp": dp_group, "dp_replicate": replica_group},
+                       stages=range(lay.pp), graph=gm)
     local, plan = built.local, built.plan
     if built.chunks is None:
         whole = built.whole

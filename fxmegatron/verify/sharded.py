@@ -45,9 +45,10 @@ class RuntimeReduction:
     """``GradSync`` as ``ParallelModel`` builds it for ``dp_shard`` "optimizer" or "gradients"
     (sharded buckets, the sum over the group divided by dp, a tied weight's bucket alone), one
     per pipeline rank of a simulated rank's program ``prog``, over the simulated group
-    ``group_name`` of ``world`` ranks, of which this is rank ``rank``."""
+    ``group_name`` of ``world`` ranks, of which this is rank ``rank`` (and, under hybrid
+    sharding, each piece all-reduced over the simulated group ``replicas``)."""
 
-    def __init__(self, prog, mode: str, group_name: str, world: int, dp: int, rank: int):
+    def __init__(self, prog, mode: str, group_name: str, world: int, dp: int, rank: int, replicas: str = ""):
         self.prog = prog
         pp = len(prog.params)
         self.syncs = []
@@ -56,7 +57,8 @@ class RuntimeReduction:
             uses = {id(p): sum(any(q is p for q in m.parameters()) for m in mine) for p in held.values()}
             alone = {id(held[n]) for n in prog.shared if n in held}
             self.syncs.append(GradSync(list(held.values()), uses, group_name, world, divisor=dp, shard=True,
-                                       rank=rank, alone=alone, every_microbatch=mode == "gradients"))
+                                       rank=rank, alone=alone, every_microbatch=mode == "gradients",
+                                       replicas=replicas or None))
 
     def start(self, microbatches: int) -> None:
         for s in self.syncs:

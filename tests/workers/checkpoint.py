@@ -80,3 +80,38 @@ def full_state_roundtrip(rank, world, layout, name, tmp):
         out["loss_roundtrip"] = models.call(back, b).item()
         out["equal"] = all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())
     return out
+
+
+def sharded_save(rank, world, mode, replicate, directory):
+    """Two AdamW steps at dp ``world`` with ``dp_shard=mode`` (``replicate`` replica groups), then
+    a save during which no rank may gather (torch.distributed's gathers and broadcasts raise);
+    returns this rank's whole parameters (``full_state_dict``, after the save) and, per
+    parameter, the numel this rank holds of it and of its optimizer state."""
+    import torch.distributed as dist
+
+    import fxmegatron
+    from fxmegatron.io import checkpoint
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = models.build("gpt", n_layer=2)
+    pm = fxmegatron.parallelize(model, mesh, models.batch("gpt", batch_size=8), dp_shard=mode,
+                                dp_replicate=replicate)
+    opt = pm.adamw(lr=1e-3)
+    for step in range(2):
+        pm.train_step(models.batch("gpt", batch_size=8, seed=step))
+        opt.step()
+        opt.zero_grad()
+
+    def refuse(*a, **k):
+        raise AssertionError("a collective that gathers ran during save")
+    saved = {f: getattr(dist, f) for f in ("all_gather", "all_gather_into_tensor", "gather", "broadcast",
+                                           "all_reduce", "all_gather_object")}
+    for f in saved:
+        setattr(dist, f, refuse)
+    try:
+        checkpoint.save(pm, opt, directory)
+    finally:
+        for f, fn in saved.items():
+            setattr(dist, f, fn)
+    return {n: t.clone() for n, t in pm.full_state_dict().items()}
