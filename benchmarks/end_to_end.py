@@ -120,6 +120,8 @@ number of processes):
 - ``fsdp2-dpN[-repN][-compile][-rfull]``: PyTorch's FSDP2 as torchtitan runs it (benchmarks/e2e/fsdp_builders.py);
   ``-repN``: HSDP, ``fully_shard`` on an (N, dp / N) mesh.
 - ``-mN`` on eager/compile/native-tpN: gradient accumulation over N microbatches.
+- ``-aN`` on any layout: the same row again under another name (``fx-compile,fx-compile-a2``: an
+  A/A pair, whose paired ratio is the run's noise floor).
 
 A step: the model phase, forward + backward of the global batch (``pm.train_step(batch)`` for
 fxmegatron) and the gradient norm, unclipped (``torch.nn.utils.get_total_norm``, which takes

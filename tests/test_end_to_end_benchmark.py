@@ -372,3 +372,20 @@ def test_inductor_config_sets_a_dotted_setting_and_names_an_unknown_one():
     assert "has no setting 'aten_distributed_optimizations.no_such_setting'" in bad
     (bad,) = set_inductor_config(["max_autotune_gemm=yes please"])
     assert "not a Python literal" in bad
+
+
+def test_an_aa_copy_and_hybrid_sharding_in_layout_names():
+    """``-aN``: the same row under another name (an A/A pair in one --interleave run); ``-repN``:
+    hybrid sharding, for fx only with a sharded mode, and a dp it divides."""
+    import dataclasses
+
+    from end_to_end import parse_layout
+    from e2e.layouts import check_layout
+    a, b = parse_layout("fx-compile", 8), parse_layout("fx-compile-a2", 8)
+    assert dataclasses.replace(b, name=a.name) == a and b.name != a.name
+    lay = parse_layout("fsdp2-dp4-rep2-compile", 8)
+    assert lay.rep == 2 and "HSDP: 2 replicas of 2 shards" in lay.label
+    spec = _spec("gpt1.3b", tiny=True)
+    assert check_layout(parse_layout("fx-dp4-zero3-rep2", 8), 4, spec) is None
+    assert "-rep2 (hybrid sharding)" in check_layout(parse_layout("fx-dp4-rep2", 8), 4, spec)
+    assert "-rep3 (hybrid sharding)" in check_layout(parse_layout("fx-dp4-zero1-rep3", 8), 4, spec)

@@ -73,6 +73,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
     lay = Layout(name, head)
     m, rest_eager = None, False
     for tok in tokens:
+        if re.fullmatch(r"a\d+", tok):   # -aN: another copy of the same row (an A/A pair shows the noise floor)
+            continue
         num = re.fullmatch(r"(tp|pp|dp|v|m|ov|rep)(\d+)", tok)
         if num and (head == "fx" or num.group(1) in ("tp", "m") and (head == "native" or num.group(1) == "m")
                     or head == "fsdp2" and num.group(1) in ("dp", "m", "rep")):
