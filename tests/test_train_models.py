@@ -67,11 +67,12 @@ def _saved(tmp_path, name, **overrides):
     return d
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "qwen2_moe", "olmoe"])
 def test_simulated_tp2_ranks_equal_the_model_in_memory(tmp_path, name, monkeypatch):
     """Each rank of tp=2, built in this process by the compiler ``parallelize`` runs: from the
     meta model and the files (read_shard) and from the model in memory, the same local shards
-    (gpt2: its tied embedding, and a fused qkv split block-wise)."""
+    (gpt2: its tied embedding, and a fused qkv split block-wise; the MoE families: transformers
+    saves their experts one tensor each, and the trainer stacks them as from_pretrained does)."""
     asked = []
     read = SafetensorsState.read_shard
     monkeypatch.setattr(SafetensorsState, "read_shard", lambda self, n, *a: asked.append(n) or read(self, n, *a))
@@ -91,6 +92,24 @@ def test_simulated_tp2_ranks_equal_the_model_in_memory(tmp_path, name, monkeypat
                   for plc in ours.placements.values()}
     assert "Shard" in kinds and (name != "gpt2" or "Shard-blocks" in kinds), kinds
     assert sorted(asked) == sorted(list(ours.placements) * 2)     # materialisation read each through the hook
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+def test_a_folder_in_its_checkpoint_layout_reads_as_from_pretrained_loads_it(tmp_path, name):
+    """save_pretrained writes these families' experts as one tensor per expert and projection
+    (Mixtral's block_sparse_moe.experts.{e}.w1, ...); the trainer's lazy state renames and stacks
+    them through transformers' own conversion: every tensor equals from_pretrained's."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    d = _saved(tmp_path, name)
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        on_disk = set(f.keys())
+    ref = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, torch_dtype=torch.float32).state_dict()
+    assert not set(ref) <= on_disk            # the folder is not in the model's own layout
+    src = load_model("hf", d, {}, torch.float32)
+    assert sorted(src.state_dict) == sorted(ref)
+    for k, v in ref.items():
+        assert torch.equal(src.state_dict[k], v), k
 
 
 def test_hf_folder_sharded_tied_and_buffers(tmp_path):

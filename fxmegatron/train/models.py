@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from fxmegatron.errors import ConfigError
 from fxmegatron.models.gpt import GPT, GPTConfig
 from fxmegatron.placement import Placement, Shard, shard_slices, take_shard
+from fxmegatron.train.hf_weights import as_model_keys, read_merged
 
 KINDS = ("gpt", "hf", "factory")
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -213,51 +214,60 @@ class SafetensorsState(Mapping):
     materialising, see ``fxmegatron.lower.materialize``). A tied name absent from the files
     (``lm_head.weight`` saved once, as the embedding) reads the tensor it is tied to."""
 
-    def __init__(self, keys: Mapping[str, tuple], dtype: torch.dtype):
+    def __init__(self, keys: Mapping[str, tuple], dtype: torch.dtype, merged: Optional[Mapping[str, tuple]] = None):
         self.keys_of = dict(keys)       # model name -> (file, key in the file)
+        self.merged = dict(merged or {})    # model name -> (converter, sources, shape): train.hf_weights
         self.dtype = dtype
 
     @classmethod
     def from_folder(cls, folder: str, model: nn.Module, dtype: torch.dtype) -> "SafetensorsState":
         """The state of ``model`` in ``folder``; every parameter and persistent buffer of the
-        model must be there (or be tied to one that is) with its shape, and nothing else."""
+        model must be there (or be tied to one that is) with its shape, and nothing else. The
+        folder's keys are read as transformers loads them (``train.hf_weights``: renamed, and
+        some put together from several tensors, such as a Mixtral folder's per-expert weights)."""
         in_files = _tensors_in_folder(folder)
         expected = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
-        found, missing, unexpected = tied_sources(list(expected), in_files, model)
+        direct, merged, left = as_model_keys(model, in_files)
+        found, missing, unexpected = tied_sources(list(expected), set(direct) | set(merged), model)
+        unexpected = sorted(set(unexpected) | set(left))
         if missing:
             raise ConfigError(f"{folder}: no tensor {missing[0]!r} in its safetensors files; "
                               f"{type(model).__name__} expects it")
-        keys = {name: in_files[src] for name, src in found.items()}
         if unexpected:
-            raise ConfigError(f"{in_files[unexpected[0]][0]}: tensor {unexpected[0]!r} is not a parameter or buffer "
-                              f"of {type(model).__name__} ({len(unexpected)} such; fxmegatron reads the files as "
-                              "they are, without the key conversions transformers may apply when it loads; "
-                              "use kind 'factory' with a function that calls from_pretrained for those)")
+            raise ConfigError(f"{in_files[unexpected[0]][0] if unexpected[0] in in_files else folder}: tensor "
+                              f"{unexpected[0]!r} is not a parameter or buffer of {type(model).__name__} "
+                              f"({len(unexpected)} such), nor one that transformers' own conversion of this model's "
+                              "checkpoints makes into one; use kind 'factory' with a function that calls "
+                              "from_pretrained for such a folder")
+        keys = {name: direct[src] for name, src in found.items() if src in direct}
+        joined = {name: (*merged[src], expected[name]) for name, src in found.items() if src in merged}
         for name, (fpath, key) in keys.items():
             with safe_open(fpath, "pt") as f:
                 shape = tuple(f.get_slice(key).get_shape())
             if shape != expected[name]:
                 raise ConfigError(f"{fpath}: tensor {key!r} has shape {list(shape)}; {type(model).__name__}'s "
                                   f"{name} has {list(expected[name])}")
-        return cls(keys, dtype)
+        return cls(keys, dtype, joined)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.merged:
+            return read_merged(name, *self.merged[name]).to(self.dtype)
         fpath, key = self.keys_of[name]
         with safe_open(fpath, "pt") as f:
             return f.get_tensor(key).to(self.dtype)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.keys_of)
+        return iter([*self.keys_of, *self.merged])
 
     def __len__(self) -> int:
-        return len(self.keys_of)
+        return len(self.keys_of) + len(self.merged)
 
     def __contains__(self, name) -> bool:
-        return name in self.keys_of
+        return name in self.keys_of or name in self.merged
 
     def read_shard(self, name: str, plc: Placement, rank: int, world: int) -> torch.Tensor:
         """``take_shard(self[name], plc, rank, world)``, reading only those rows or columns."""
-        if not isinstance(plc, Shard):
+        if not isinstance(plc, Shard) or name in self.merged:
             return take_shard(self[name], plc, rank, world)
         fpath, key = self.keys_of[name]
         with safe_open(fpath, "pt") as f:
