@@ -35,6 +35,7 @@ from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.recompute import RecomputePolicy, apply_recompute
 from fxmegatron.passes.runner import Pass, check_shapes
+from fxmegatron.passes.slice_writes import slice_writes_to_cat
 from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
@@ -89,8 +90,9 @@ def check_local_shapes(gm: fx.GraphModule) -> fx.GraphModule:
     try:
         check_shapes(gm)
     except Exception as exc:
-        raise ShardingError(f"the tensor-parallel graph is inconsistent: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        at = [n for n in getattr(exc, "__notes__", ()) if n.startswith("at node ")]
+        raise ShardingError(f"the tensor-parallel graph is inconsistent{' ' + at[0] if at else ''}: "
+                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
     return gm
 
 
@@ -129,7 +131,9 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     ``groups``. ``device``: where the program runs (None: not known, as for planning; the
     passes that only pay off on one kind of device are left out)."""
     tp = axes["tp"]
-    passes = cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
+    # a buffer written slice by slice stated as the cat it is, before any pass places values
+    passes = [Pass("slice_writes_to_cat", slice_writes_to_cat)]
+    passes += cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
     # where inductor's overlap scheduler pins its order in control_deps subgraphs, inductor (torch 2.11)
     # cannot lower a mutating custom op's auto_functionalized_v2 inside one: there the loss's backward
     # writes a new gradient tensor rather than over the logits

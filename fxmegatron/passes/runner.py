@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxmegatron.errors import FxMegatronError, PassError
+from fxmegatron.capture.export import module_path
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,21 @@ def check_shapes(gm: fx.GraphModule) -> None:
             v = n.meta.get("val")
             inputs.append(mode.from_tensor(v).to(dev) if isinstance(v, torch.Tensor) else v)
     with mode:
-        FakeTensorProp(gm, mode).propagate(*inputs)
+        _NamingProp(gm, mode).propagate(*inputs)
+
+
+class _NamingProp(FakeTensorProp):
+    """FakeTensorProp whose failure carries, as a note, the node it failed at and its module."""
+
+    def run_node(self, n: fx.Node):
+        try:
+            return super().run_node(n)
+        except Exception as exc:
+            if not any(note.startswith("at node ") for note in getattr(exc, "__notes__", ())):
+                mod = module_path(n)
+                exc.add_note(f"at node {n.name} ({getattr(n.target, '__name__', n.target)})"
+                             + (f" in {mod}" if mod else ""))
+            raise
 
 
 class PassRunner:
