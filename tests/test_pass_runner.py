@@ -38,7 +38,7 @@ def test_the_compiler_passes_run_clean_with_the_shape_check_after_each():
     axes = {"dp": Axis(), "pp": Axis(), "tp": Axis()}
     runner = PassRunner(rank_passes(cap, axes, ParallelConfig(recompute="selective")), debug=True)
     gm = runner(cap.gm)
-    assert list(runner.timings) == ["tensor_parallel", "loss_reads_logits_dtype", "loss_grad_reuses_logits",
+    assert list(runner.timings) == ["slice_writes_to_cat", "tensor_parallel", "loss_reads_logits_dtype", "loss_grad_reuses_logits",
                                     "attention_rewrites", "drop_trivial_collectives", "counter_rng", "localize",
                                     "check_local_shapes", "recompute"]
     assert all(p.device.type == "meta" for p in gm.parameters())
@@ -51,7 +51,7 @@ def test_a_planted_broken_pass_is_named_with_the_passes_before_it():
     at = [p.name for p in passes].index("localize") + 1
     passes.insert(at, Pass("widen_view", _widen_first_view))
     with pytest.raises(PassError, match=r"pass 'widen_view' left the graph's shapes inconsistent \(after "
-                                        r"tensor_parallel, loss_reads_logits_dtype, loss_grad_reuses_logits, "
+                                        r"slice_writes_to_cat, tensor_parallel, loss_reads_logits_dtype, loss_grad_reuses_logits, "
                                         r"attention_rewrites, drop_trivial_collectives, counter_rng, localize\)"):
         PassRunner(passes, debug=True)(cap.gm)
 
@@ -65,7 +65,7 @@ def test_without_debug_the_broken_pass_surfaces_later_unnamed():
     passes.insert(0, Pass("widen_view", _widen_first_view))
     with pytest.raises(ShardingError, match="the tensor-parallel graph is inconsistent") as info:
         PassRunner(passes)(cap.gm)
-    assert "in pass 'check_local_shapes' (after widen_view, tensor_parallel" in "\n".join(info.value.__notes__)
+    assert "in pass 'check_local_shapes' (after widen_view, slice_writes_to_cat, tensor_parallel" in "\n".join(info.value.__notes__)
 
 
 def test_requires_names_the_missing_property_and_the_order():
@@ -90,7 +90,7 @@ def test_parallelize_runs_the_same_list():
     name = "gpt"
     pm = fxmegatron.parallelize(models.build(name, n_layer=2), None, models.batch(name, batch_size=2))
     assert [k for k in pm.timings if k not in ("capture_s", "materialize_s")] == \
-        ["tensor_parallel_s", "loss_reads_logits_dtype_s", "loss_grad_reuses_logits_s", "attention_rewrites_s",
+        ["slice_writes_to_cat_s", "tensor_parallel_s", "loss_reads_logits_dtype_s", "loss_grad_reuses_logits_s", "attention_rewrites_s",
          "drop_trivial_collectives_s", "counter_rng_s", "localize_s", "check_local_shapes_s",
          "recompute_s"]
 
