@@ -262,3 +262,30 @@ def test_ranks_that_go_silent_together_are_all_named():
     with pytest.raises(StopIteration):
         wd._poll_store({2: (5, now - 7.0), 3: (7, now - 8.5)})
     assert "also silent" not in said[1][0] and said[1][1] == 1, said[1]
+
+
+PEER_FAILED = """
+import sys
+import torch
+sys.path.insert(0, ROOT)
+from fxmegatron.train.watchdog import Watchdog, _pack
+wd = Watchdog(rank=1, world=2, poll_s=0.1, process_table=False)
+wd._store = torch.distributed.HashStore()
+wd._store.set("failed", _pack(int(sys.argv[1]), "rank 0 failed before its first step: ShardingError: no"))
+wd._poll_store({})
+"""
+
+
+@pytest.mark.parametrize("code", [2, 1])
+def test_a_peer_s_bad_input_ends_this_rank_silently_with_its_status(code):
+    """A rank that reads a peer's published failure before meeting the same bad input itself
+    (the trainer's parallelize raises on every rank, in whatever order) stays silent and ends
+    with 2: the job says it once. A peer's run failure (1) is repeated with this rank's name."""
+    r = subprocess.run([sys.executable, "-c", PEER_FAILED.replace("ROOT", repr(ROOT)), str(code)], cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert r.returncode == code, r.stdout
+    if code == 2:
+        assert r.stdout.strip() == "", r.stdout
+    else:
+        assert r.stdout.strip() == "fxmegatron: rank 1 stopping before its first step: rank 0 failed before its " \
+                                   "first step: ShardingError: no", r.stdout

@@ -73,6 +73,16 @@ def _where(step) -> str:
     return f"at step {step}" if step is not None and step >= 0 else "before its first step"
 
 
+def _pack(code: int, msg: str) -> str:
+    # the status travels with the failure: a peer's bad input (2) ends this rank silently with 2
+    return f"{code}:{msg}"
+
+
+def _unpack(value: bytes) -> tuple:
+    code, sep, msg = value.decode(errors="replace").partition(":")
+    return (int(code), msg) if sep and code.isdigit() else (FAILED, value.decode(errors="replace"))
+
+
 def _one_line(text: str, limit: int = 1500) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit] + "..."
@@ -301,10 +311,10 @@ class Watchdog:
             line = (f"rank {self.rank} stopping {where}: the watchdog store is unreachable, "
                     f"{self._holder} that holds it is gone: {type(lost).__name__}: {_one_line(lost, 300)}")
         else:
-            winner = msg
+            winner_code, winner = code, msg
             if self._store is not None:
                 try:
-                    winner = self._op(self._store.compare_set, "failed", "", msg).decode(errors="replace")
+                    winner_code, winner = _unpack(self._op(self._store.compare_set, "failed", "", _pack(code, msg)))
                     self._op(self._store.add, "acks", 1)
                 except Exception:
                     pass
@@ -313,8 +323,8 @@ class Watchdog:
                 traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
             line = winner if mine else f"rank {self.rank} stopping {where}: {winner}"
             self._linger("acks", self.world - dead)
-            if not mine and code != FAILED:     # every rank met the same bad input: the winner says it
-                line = None
+            if not mine and code != FAILED and winner_code != FAILED:
+                line = None     # every rank met the same bad input (or saw a peer's first): the winner says it
         if line:
             _log(f"fxmegatron: {line}")
         os._exit(code)
@@ -348,7 +358,8 @@ class Watchdog:
         s, r = self._store, self.rank
         self._op(s.add, f"hb/{r}", 1)
         if self._op(s.check, ["failed"]):
-            self._end(self._op(s.get, "failed").decode(errors="replace"), mine=False)
+            code, msg = _unpack(self._op(s.get, "failed"))
+            self._end(msg, mine=False, code=code)
         if self._local and (gone := self._local.gone(self._op, s, _DONE)):
             self._end(f"rank {gone[0]} died {self._peer_step(gone[0])}: its process {gone[1]} is gone (killed or "
                       f"crashed; noticed by rank {r} on its machine)", mine=False, dead=1)
