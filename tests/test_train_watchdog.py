@@ -268,7 +268,8 @@ PEER_FAILED = """
 import sys
 import torch
 sys.path.insert(0, ROOT)
-from fxmegatron.train.watchdog import Watchdog, _pack
+from fxmegatron.train.status import pack_failure as _pack
+from fxmegatron.train.watchdog import Watchdog
 wd = Watchdog(rank=1, world=2, poll_s=0.1, process_table=False)
 wd._store = torch.distributed.HashStore()
 wd._store.set("failed", _pack(int(sys.argv[1]), "rank 0 failed before its first step: ShardingError: no"))

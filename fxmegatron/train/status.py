@@ -43,3 +43,14 @@ def check_finite(step: int, loss, grad_norm=None, policy: str = "stop") -> bool:
     if policy == "skip":
         return False
     raise TrainingError(f"step {step}: {' and '.join(bad)} (non-finite policy 'stop')")
+
+
+def pack_failure(code: int, msg: str) -> str:
+    """A failure as the watchdog publishes it: its exit status travels with it, so a rank that
+    reads a peer's bad input (2) before meeting it ends silently with 2 (the job says it once)."""
+    return f"{code}:{msg}"
+
+
+def unpack_failure(value: bytes) -> tuple:
+    code, _, msg = value.decode(errors="replace").partition(":")
+    return int(code), msg

@@ -50,7 +50,8 @@ import torch.distributed as dist
 
 from fxmegatron.errors import ConfigError, PipelineError
 from fxmegatron.train.liveness import LocalPeers
-from fxmegatron.train.status import FAILED, check_finite, exit_status  # noqa: F401  (check_finite: re-exported)
+from fxmegatron.train.status import FAILED, check_finite, exit_status, pack_failure as _pack, \
+    unpack_failure as _unpack  # noqa: F401  (check_finite: re-exported)
 
 _DONE = 1 << 50        # a heartbeat counter at or above this: the rank left the loop cleanly
 _WATCHED = 2           # live successors each rank watches (a dead run of ranks is still seen
@@ -71,16 +72,6 @@ def _log(line: str) -> None:
 def _where(step) -> str:
     # the trainer runs parallelize as step -1
     return f"at step {step}" if step is not None and step >= 0 else "before its first step"
-
-
-def _pack(code: int, msg: str) -> str:
-    # the status travels with the failure: a peer's bad input (2) ends this rank silently with 2
-    return f"{code}:{msg}"
-
-
-def _unpack(value: bytes) -> tuple:
-    code, sep, msg = value.decode(errors="replace").partition(":")
-    return (int(code), msg) if sep and code.isdigit() else (FAILED, value.decode(errors="replace"))
 
 
 def _one_line(text: str, limit: int = 1500) -> str:
