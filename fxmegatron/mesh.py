@@ -88,15 +88,25 @@ def _hybrid(mesh, names, axes: Dict[str, Axis], replicate: int) -> Dict[str, Axi
     if shard * axes["cp"].size == 1:
         raise MeshError(f"dp_replicate={replicate} = dp leaves each group one rank to shard over: that is plain "
                         "data parallelism (dp_shard='none', dp_replicate=1)")
-    at = names.index("dp")
-    grid = mesh.mesh.reshape(*mesh.mesh.shape[:at], replicate, shard, *mesh.mesh.shape[at + 1:])
-    split = DeviceMesh(mesh.device_type, grid, mesh_dim_names=names[:at] + ("dp_replicate", "dp_shard") + names[at + 1:])
+    split = _split_mesh(mesh, names, replicate, shard)
     axes["dp_replicate"] = _axis(split["dp_replicate"])
     if axes["cp"].size > 1:
         axes["dp_cp"] = _axis(split["dp_shard", "cp"]._flatten("dp_shard_cp"))
     else:
         axes["dp_cp"] = _axis(split["dp_shard"])
     return axes
+
+
+def _split_mesh(mesh, names, replicate: int, shard: int) -> DeviceMesh:
+    # kept on the user's mesh: every parallelize of it would otherwise create new process groups
+    # (NCCL communicators, never freed), and the mesh's lifetime is theirs
+    cache = getattr(mesh, "__dict__", {}).setdefault("_fxmegatron_hybrid", {})
+    if replicate not in cache:
+        at = names.index("dp")
+        grid = mesh.mesh.reshape(*mesh.mesh.shape[:at], replicate, shard, *mesh.mesh.shape[at + 1:])
+        cache[replicate] = DeviceMesh(mesh.device_type, grid,
+                                      mesh_dim_names=names[:at] + ("dp_replicate", "dp_shard") + names[at + 1:])
+    return cache[replicate]
 
 
 def _axis(sub) -> Axis:

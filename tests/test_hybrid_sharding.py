@@ -9,7 +9,7 @@ from fxmegatron.errors import ShardingError
 from fxmegatron.layout import Layout
 from tests.distributed import run_distributed
 from tests.test_sharded_dp import _check
-from tests.workers.sharded_dp import hybrid_refused, shard_parity
+from tests.workers.sharded_dp import hybrid_groups_once, hybrid_refused, shard_parity
 
 # layout -> (mesh, models, parallelize's keywords)
 LAYOUTS = {
@@ -46,3 +46,11 @@ def test_hybrid_sharding_is_refused_where_it_means_nothing():
 def test_one_rank_a_group_is_refused_as_plain_data_parallelism():
     for msg in run_distributed(hybrid_refused, 2):
         assert msg is not None and "dp_replicate=2 = dp leaves each group one rank to shard over" in msg, msg
+
+
+def test_a_mesh_is_split_into_replica_groups_once():
+    """parallelize called again on the same mesh (another layout, a benchmark's next row) reuses
+    the replica groups instead of creating new communicators every call."""
+    for rank, (same, before, after, shard, replica) in enumerate(run_distributed(hybrid_groups_once, 4)):
+        assert same and before == after, (same, before, after)
+        assert shard == (rank // 2 * 2, rank // 2 * 2 + 1) and replica == (rank % 2, rank % 2 + 2), (rank, shard, replica)

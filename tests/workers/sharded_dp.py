@@ -212,3 +212,17 @@ def hybrid_refused(rank, world):
     except MeshError as e:
         return str(e)
     return None
+
+
+def hybrid_groups_once(rank, world):
+    """Two mesh_axes of one mesh under dp_replicate: the same groups, no new ones the second time."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from fxmegatron.mesh import mesh_axes
+    mesh = _mesh({"dp": world})
+    first = mesh_axes(mesh, dp_replicate=2)
+    groups = len(c10d._world.pg_names)
+    again = mesh_axes(mesh, dp_replicate=2)
+    assert dist.is_initialized()
+    return first == again, groups, len(c10d._world.pg_names), first["dp_cp"].ranks, first["dp_replicate"].ranks
