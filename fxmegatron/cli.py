@@ -3,10 +3,15 @@
     fxmegatron train CONFIG.toml [--dry-run] [--set section.key=value]   (under torchrun: see fxmegatron.train.main)
     fxmegatron train CONFIG.toml --nproc-per-node 4    (torchrun's launch in this process; exit 2: bad input, 1: failure)
     fxmegatron export CHECKPOINT OUTDIR      (a trainer checkpoint -> a Hugging Face folder)
+    fxmegatron eval CONFIG.toml|CHECKPOINT|MODEL_DIR [--data FILE ... --data-kind K --tokenizer T --seq-len S
+                    --batch B] [--batches N] [--set section.key=value] [--device cuda] [--json]   (held-out loss)
+    fxmegatron generate CONFIG.toml|CHECKPOINT|MODEL_DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
+                        [--top-p P] [--seed S] [--json]        (one process; greedy unless --temperature > 0)
 
     fxmegatron verify --factory FILE.py:FUNCTION --tp 2,4 [--sequence-parallel both] [--recompute full]
                       [--pp 1,2 --virtual-stages 2 --microbatches 4 --dp 2] [--cp 2 [--cp-attention allgather]]
     fxmegatron verify CONFIG.toml [--set section.key=value]   (the trainer's model, batch and layout)
+    fxmegatron verify ... --dump DIR     (each rank's graphs and plan per layout, as train --dump: DIR/<layout>/rankN)
     fxmegatron compile --factory FILE.py:FUNCTION --pp 2 --tp 2 --microbatches 4 --out FOLDER
     torchrun --nproc_per_node 4 -m fxmegatron.launch FOLDER --data text.txt --steps 100
 
@@ -105,7 +110,21 @@ def _with_weights(prep, batch):
     return model
 
 
-def _verify_config(path: str, overrides) -> int:
+def _dump(model, batch, lay, directory) -> int:
+    """``--dump``: every rank's program of ``lay`` written as ``fxmegatron train --dump`` writes it
+    (``verify.dump``), also after a failed check (what the dump is most wanted for); 1 if it fails."""
+    from fxmegatron.errors import FxMegatronError
+    from fxmegatron.verify.dump import dump_layout
+    try:
+        out = dump_layout(model, batch, lay, directory)
+    except FxMegatronError as exc:
+        print(f"FAILED dump to {directory}: {type(exc).__name__}: {exc}", flush=True)
+        return 1
+    print(f"fxmegatron verify: the graph dump of every rank is in {out}/rank*", flush=True)
+    return 0
+
+
+def _verify_config(path: str, overrides, dump=None) -> int:
     """``verify`` of a trainer run: its model, the batch of its first step, its layout."""
     from fxmegatron.errors import ConfigError, DataError, FxMegatronError
     from fxmegatron.train.config import load
@@ -117,12 +136,15 @@ def _verify_config(path: str, overrides) -> int:
         print(f"fxmegatron verify: error: {exc}", file=sys.stderr, flush=True)
         return 2
     batch = prep.batch(prep.train.windows(0), "cpu")
+    model, failed = _with_weights(prep, batch), 0
     try:
-        print(verify(_with_weights(prep, batch), batch, layout=prep.layout), flush=True)
+        print(verify(model, batch, layout=prep.layout), flush=True)
     except FxMegatronError as exc:
         print(f"FAILED {path}: {type(exc).__name__}: {exc}", flush=True)
-        return 1
-    return 0
+        failed = 1
+    if dump:
+        failed |= _dump(model, batch, prep.layout, dump)
+    return failed
 
 
 def verify_main(argv):
@@ -150,6 +172,9 @@ def verify_main(argv):
     ap.add_argument("--dp-replicate", type=int, default=1,
                     help="hybrid sharding: the dp ranks in this many groups, each sharding over its own ranks")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dump", metavar="DIR", default=None,
+                    help="also write each rank's transformed graph(s), placements, plan and collectives of every "
+                         "layout to DIR/<layout>/rankN, as fxmegatron train --dump does")
     args = ap.parse_args(argv)
     if (args.config is None) == (args.factory is None):
         ap.error("give a trainer config (CONFIG.toml) or --factory FILE.py:FUNCTION, one of them")
@@ -162,7 +187,7 @@ def verify_main(argv):
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     if args.config is not None:
-        return _verify_config(args.config, args.set)
+        return _verify_config(args.config, args.set, args.dump)
     model, batch = load_factory(args.factory)()
     sps = {"off": [False], "on": [True], "both": [False, True]}[args.sequence_parallel]
     failed = 0
@@ -181,6 +206,8 @@ def verify_main(argv):
                     failed += 1
                     name = layout_name(lay) if lay is not None else f"tp={tp} pp={pp}"
                     print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
+                if args.dump and lay is not None:
+                    failed += _dump(copy.deepcopy(model), batch, lay, args.dump)
     return 1 if failed else 0
 
 
@@ -200,6 +227,12 @@ def main(argv=None):
     if cmd == "export":
         from fxmegatron.train.export import main as export
         return export(rest)
+    if cmd == "eval":
+        from fxmegatron.train.evaluate import main as evaluate
+        return evaluate(rest)
+    if cmd == "generate":
+        from fxmegatron.train.generate import main as generate
+        return generate(rest)
     if cmd == "launch":
         from fxmegatron.launch import main as launch
         return launch(rest)
@@ -207,7 +240,8 @@ def main(argv=None):
         from fxmegatron.schedules.draw import main as draw
         return draw(rest)
     # a usage error, as argparse's: status 2 (SystemExit with a message would give 1)
-    print(f"fxmegatron: unknown command {cmd!r} (train, export, verify, compile, launch, schedule)", file=sys.stderr)
+    print(f"fxmegatron: unknown command {cmd!r} (train, export, eval, generate, verify, compile, "
+          "launch, schedule)", file=sys.stderr)
     return 2
 
 

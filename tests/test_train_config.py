@@ -6,7 +6,7 @@ import os
 import pytest
 
 from fxmegatron.errors import ConfigError
-from fxmegatron.train import config
+from fxmegatron.train import config, config_checks
 from fxmegatron.train.lr import lr_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,8 +22,8 @@ def base(**sections):
 
 def check(raw, world=1):
     cfg = config.from_dict(raw, "t.toml", ROOT)
-    config.check_world(cfg, world)
-    config.check_files(cfg)
+    config_checks.check_world(cfg, world)
+    config_checks.check_files(cfg)
     return cfg
 
 
@@ -98,12 +98,17 @@ def test_docs_list_every_key():
     assert table == config.markdown(), "docs/TRAINER.md's key table is out of date: rewrite it from config.markdown()"
 
 
+# configs whose model and data a step of the README writes first (tests/test_readme_walkthrough.py runs them)
+WRITTEN_FIRST = {"hf_chat_tiny.toml"}
+
+
 def test_example_configs_are_valid():
     folder = os.path.join(ROOT, "examples", "configs")
     for name in sorted(os.listdir(folder)):
         if name.endswith(".toml"):
             cfg = config.load(os.path.join(folder, name))
-            config.check_files(cfg)
+            if name not in WRITTEN_FIRST:
+                config_checks.check_files(cfg)
 
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "constant", "wsd"])

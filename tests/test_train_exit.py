@@ -58,8 +58,8 @@ def test_more_gpus_than_the_host_has(tmp_path, monkeypatch, capsys):
 def test_unknown_cli_command_is_a_usage_error(capsys):
     from fxmegatron.cli import main
     assert main(["trian", "c.toml"]) == 2
-    assert capsys.readouterr().err == "fxmegatron: unknown command 'trian' (train, export, verify, compile, launch, " \
-        "schedule)\n"
+    assert capsys.readouterr().err == "fxmegatron: unknown command 'trian' (train, export, eval, generate, verify, " \
+        "compile, launch, schedule)\n"
 
 
 def _launch(cfg, *args, extra_env=None):

@@ -18,7 +18,7 @@ from fxmegatron.layout import CP_ATTENTIONS, PRECISIONS, RECOMPUTE_MODES, SCHEDU
 from fxmegatron.ops.fp8 import RECIPES
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
 from fxmegatron.runtime.sharded_dp import DP_SHARD_MODES
-from fxmegatron.train.indexed import prefix_of
+from fxmegatron.train.mixture import check_mix
 
 try:                            # Python 3.11+
     import tomllib
@@ -26,7 +26,7 @@ except ImportError:             # pragma: no cover - Python 3.10
     import tomli as tomllib     # type: ignore[no-redef]
 
 REQUIRED = object()
-TEXT_KINDS = ("text", "jsonl")     # data kinds read through a tokenizer (bytes or a folder)
+TEXT_KINDS = ("text", "jsonl", "parquet", "hf_dataset")     # data kinds read through a tokenizer (bytes or a folder)
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ def _k(section, name, types, default, doc, choices=None, minimum=None):
 STR, INT, FLOAT, BOOL, LIST = str, int, (int, float), bool, (str, list)
 INTS = (list,)          # a list of whole numbers
 NAMES = (list, str)     # a name or a list of strings (not LIST: no paths)
+TABLES = (list, tuple)  # a list of tables (TOML never gives tuples: the pair only tells it apart from INTS)
 
 KEYS: List[Key] = [
     # ---- run ----
@@ -82,19 +83,37 @@ KEYS: List[Key] = [
        "alone, each rank initialising its own shards: pre-training from scratch)", choices=("load", "random")),
     _k("model", "gpt", dict, {}, "kind = gpt: GPTConfig fields (n_layer, n_head, n_embd, dropout, "
        "tie_embeddings, bias; vocab_size and block_size come from the data)"),
+    _k("model", "init_from", STR, "", "start from these weights: a trainer checkpoint folder (with index.json, "
+       "any layout) or a model folder (fxmegatron export, save_pretrained) holding exactly the model's parameters; "
+       "step 0, a fresh optimizer, this run's data and layout (empty: none). A checkpoint of this run that "
+       "checkpoint.resume takes wins"),
     # ---- data ----
     _k("data", "kind", STR, "text", "text (plain text files, tokenized: a file is a document), jsonl (JSON "
        "Lines: each record's text_field is a document), tokens (a flat .bin file of token ids, nanoGPT's "
-       "convention) or indexed (Megatron's PREFIX.bin + PREFIX.idx from preprocess_data.py; give PREFIX)",
-       choices=("text", "jsonl", "tokens", "indexed")),
-    _k("data", "text_field", STR, "text", "kind = jsonl: the field of each record that holds its text"),
-    _k("data", "train", LIST, REQUIRED, "training file(s): a path or a list of paths"),
+       "convention), indexed (Megatron's PREFIX.bin + PREFIX.idx from preprocess_data.py; give PREFIX), parquet "
+       "(Parquet files: each row's text_field is a document) or hf_dataset (folders written by datasets' "
+       "save_to_disk, one split's folder each: each row's text_field is a document)",
+       choices=("text", "jsonl", "tokens", "indexed", "parquet", "hf_dataset")),
+    _k("data", "text_field", STR, "text", "kind = jsonl, parquet or hf_dataset: the field (column) of each record "
+       "that holds its text"),
+    _k("data", "format", STR, "text", "kind = jsonl: what a record is: text (its text_field, every token in the "
+       "loss), chat (its messages_field, [{role, content}, ...], rendered by the tokenizer's chat template; only "
+       "the assistant turns in the loss) or prompt_completion (prompt_field then completion_field; only the "
+       "completion and EOS in the loss)", choices=("text", "chat", "prompt_completion")),
+    _k("data", "messages_field", STR, "messages", "format = chat: the field of each record that holds its messages"),
+    _k("data", "prompt_field", STR, "prompt", "format = prompt_completion: the field holding the prompt"),
+    _k("data", "completion_field", STR, "completion", "format = prompt_completion: the field holding the completion"),
+    _k("data", "train", LIST, [], "training file(s): a path or a list of paths (give train or mix)"),
+    _k("data", "mix", TABLES, [], "a weighted mixture of training corpora in place of train: [{path = \"a\", "
+       "weight = 0.7}, ...], each a file (folder, prefix) of data.kind; weights positive, normalised; samples "
+       "interleaved as Megatron's BlendedDataset, each corpus in its own epochs"),
     _k("data", "valid", LIST, [], "held-out file(s); when empty, the last valid_fraction of the training "
        "tokens is held out"),
     _k("data", "valid_fraction", FLOAT, 0.1, "share of the training tokens held out when valid is empty",
        minimum=0),
     _k("data", "token_dtype", STR, "uint16", "kind = tokens: uint16 or uint32", choices=("uint16", "uint32")),
-    _k("data", "tokenizer", STR, "bytes", "kind = text or jsonl: bytes (UTF-8 bytes, vocabulary 256) or the directory "
+    _k("data", "tokenizer", STR, "bytes", "kind = text, jsonl, parquet or hf_dataset: bytes (UTF-8 bytes, "
+       "vocabulary 256) or the directory "
        "of a Hugging Face tokenizer (save_pretrained form)"),
     _k("data", "seq_len", INT, REQUIRED, "tokens per sequence (sequences are packed: documents concatenated)",
        minimum=1),
@@ -173,6 +192,11 @@ KEYS: List[Key] = [
        "placements, plan and collectives to DUMP/rankN (fxmegatron train --dump DIR sets it); empty: no dump"),
     _k("log", "jsonl", BOOL, False, "also write OUT/log.jsonl: loss.csv's rows as JSON lines (one object per step, "
        "floats exact), rewritten on resume as loss.csv is"),
+    _k("log", "wandb", BOOL, False, "also log every row to Weights & Biases from rank 0, in OUT/wandb (needs the "
+       "wandb package: pip install 'fxmegatron[wandb]'); a resumed job is a new W&B run in the same group"),
+    _k("log", "wandb_project", STR, "fxmegatron", "log.wandb: the W&B project"),
+    _k("log", "wandb_mode", STR, "offline", "log.wandb: offline (written to OUT/wandb only; upload later with "
+       "`wandb sync`) or online", choices=("offline", "online")),
 ]
 
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))
@@ -189,13 +213,15 @@ def _check_value(key: Key, value, where: str):
         raise ConfigError(f"{where}: {key.path} must be a table, got {value!r}")
     ok = isinstance(value, key.types) and not (isinstance(value, bool) and bool not in key.types)
     if not ok:
-        want = "a list of whole numbers" if key.types == INTS else \
+        want = "a list of whole numbers" if key.types == INTS else "a list of tables" if key.types == TABLES else \
             " or ".join(sorted({"list of strings" if t is list else t.__name__ for t in key.types}))
         raise ConfigError(f"{where}: {key.path} = {value!r} must be {want}")
     if key.types == NAMES and isinstance(value, list) and not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{where}: {key.path} must be a name or a list of strings, got {value!r}")
     if key.types == INTS and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ConfigError(f"{where}: {key.path} must be a list of whole numbers, got {value!r}")
+    if key.types == TABLES and not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{where}: {key.path} must be a list of tables ([{{...}}, ...]), got {value!r}")
     if key.types == LIST and isinstance(value, list) and not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{where}: {key.path} must be a path or a list of paths, got {value!r}")
     if key.choices is not None and value not in key.choices:
@@ -252,6 +278,10 @@ def from_dict(raw: Dict[str, Any], where: str = "config", base_dir: str = ".",
     for name in ("train", "valid"):
         v = values["data"][name]
         values["data"][name] = [_path(base_dir, p) for p in ([v] if isinstance(v, str) else v)]
+    values["data"]["mix"] = check_mix(values["data"]["mix"], where, lambda p: _path(base_dir, p))
+    if bool(values["data"]["train"]) == bool(values["data"]["mix"]):
+        raise ConfigError(f"{where}: give exactly one of data.train (training file(s)) and data.mix (a weighted "
+                          f"mixture of corpora); " + ("both are set" if values["data"]["train"] else "neither is"))
     for section, name in (("run", "out"), ("checkpoint", "dir"), ("log", "dump")):
         if values[section][name]:
             values[section][name] = _path(base_dir, values[section][name])
@@ -263,8 +293,17 @@ def from_dict(raw: Dict[str, Any], where: str = "config", base_dir: str = ".",
         raise ConfigError(f"{where}: layout.dp_shard = {values['layout']['dp_shard']!r} shards FusedAdamW's state: "
                           "it needs optim.fused = true")
     m = values["model"]
-    if m["kind"] == "hf" or (m["kind"] == "factory" and ".py:" in m["path"]):
+    if m["kind"] == "hf" or (m["kind"] == "gpt" and m["path"]) or (m["kind"] == "factory" and ".py:" in m["path"]):
         m["path"] = _path(base_dir, m["path"])
+    if m["init_from"]:
+        m["init_from"] = _path(base_dir, m["init_from"])
+    d = values["data"]
+    if d["format"] != "text" and d["kind"] != "jsonl":
+        raise ConfigError(f"{where}: data.format = {d['format']!r} reads records: it needs data.kind = 'jsonl', "
+                          f"not {d['kind']!r}")
+    if d["format"] == "chat" and d["tokenizer"] == "bytes":
+        raise ConfigError(f"{where}: data.format = 'chat' renders conversations with the tokenizer's chat template, "
+                          "and data.tokenizer = 'bytes' has none: give a Hugging Face tokenizer folder")
     if values["data"]["kind"] in TEXT_KINDS and values["data"]["tokenizer"] != "bytes":
         values["data"]["tokenizer"] = _path(base_dir, values["data"]["tokenizer"])
     return Config(values, where)
@@ -307,56 +346,6 @@ def load(path: str, overrides: Optional[List[str]] = None) -> Config:
     return from_dict(raw, path, os.path.dirname(os.path.abspath(path)), overrides)
 
 
-def check_world(cfg: Config, world: int) -> None:
-    """The layout against the number of processes, and the batch against the layout."""
-    lay = cfg.layout
-    product = lay.dp * lay.pp * lay.cp * lay.tp
-    if product != world:
-        raise ConfigError(f"{cfg.source}: layout dp {lay.dp} x pp {lay.pp} x cp {lay.cp} x tp {lay.tp} = {product}, "
-                          f"but {world} processes were started (torchrun --nproc_per_node): they must be equal")
-    b = cfg.data.global_batch
-    if b % (lay.dp * lay.microbatches):
-        raise ConfigError(f"{cfg.source}: data.global_batch {b} must be divisible by layout.dp {lay.dp} x "
-                          f"layout.microbatches {lay.microbatches} = {lay.dp * lay.microbatches}")
-    if cfg.data.seq_len % (2 * lay.cp):
-        raise ConfigError(f"{cfg.source}: data.seq_len {cfg.data.seq_len} must be divisible by 2 x layout.cp "
-                          f"{lay.cp} = {2 * lay.cp} (each cp rank holds two chunks of the sequence)")
-    if lay.sequence_parallel and lay.tp == 1:
-        raise ConfigError(f"{cfg.source}: layout.sequence_parallel needs layout.tp > 1")
-    if lay.fuse and lay.compile:
-        raise ConfigError(f"{cfg.source}: layout.fuse and layout.compile are alternatives; pick one")
-    if lay.virtual_stages > 1 and lay.pp == 1:
-        raise ConfigError(f"{cfg.source}: layout.virtual_stages {lay.virtual_stages} needs layout.pp > 1")
-
-
-def check_files(cfg: Config) -> None:
-    """Every file the run reads exists (data, tokenizer, model)."""
-    for p in cfg.data.train + cfg.data.valid:
-        if cfg.data.kind == "indexed":      # Megatron's PREFIX (or PREFIX.bin / .idx): both files
-            missing = [f for f in (prefix_of(p) + e for e in (".bin", ".idx")) if not os.path.isfile(f)]
-            if missing:
-                raise ConfigError(f"{cfg.source}: data file {missing[0]} does not exist (data.kind = 'indexed' "
-                                  "reads PREFIX.bin and PREFIX.idx)")
-        elif not os.path.isfile(p):
-            raise ConfigError(f"{cfg.source}: data file {p} does not exist")
-    if cfg.data.kind in TEXT_KINDS and cfg.data.tokenizer != "bytes" and not os.path.isdir(cfg.data.tokenizer):
-        raise ConfigError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer} is not a directory (a Hugging Face "
-                          f"tokenizer saved with save_pretrained), nor 'bytes'")
-    m = cfg.model
-    if m.kind == "hf" and not os.path.isfile(os.path.join(m.path, "config.json")):
-        raise ConfigError(f"{cfg.source}: model.path {m.path or '(empty)'} has no config.json (a model saved with "
-                          "save_pretrained)")
-    if m.kind == "factory":
-        where = m.path.rsplit(":", 1)[0] if ":" in m.path else ""
-        if not where or (where.endswith(".py") and not os.path.isfile(where)):
-            raise ConfigError(f"{cfg.source}: model.path {m.path!r}: expected FILE.py:FUNCTION of an existing file")
-    if m.kind != "gpt" and m.gpt:
-        raise ConfigError(f"{cfg.source}: [model.gpt] is for model.kind = 'gpt', not {m.kind!r}")
-    r = cfg.checkpoint.resume
-    if r not in ("auto", "none") and not os.path.isdir(r):
-        raise ConfigError(f"{cfg.source}: checkpoint.resume {r} is not a folder")
-
-
 def markdown() -> str:
     """The table of every key, as docs/TRAINER.md shows it."""
     lines = []
@@ -364,7 +353,8 @@ def markdown() -> str:
         lines += [f"### [{section}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for k in (k for k in KEYS if k.section == section):
             t = ("number" if k.types == FLOAT else "path or list of paths" if k.types == LIST
-                 else "list of numbers" if k.types == INTS else "string or list of strings" if k.types == NAMES
+                 else "list of numbers" if k.types == INTS else "list of tables" if k.types == TABLES
+                 else "string or list of strings" if k.types == NAMES
                  else "table" if k.types == (dict,) else k.types[0].__name__)
             d = "required" if k.default is REQUIRED else repr(k.default).replace("'", '"')
             lines.append(f"| `{k.path}` | {t} | {d} | {k.doc} |")

@@ -25,7 +25,7 @@ __all__ = ["TokenStream", "memmap_tokens", "text_tokens", "jsonl_tokens", "token
 _SAMPLER_FORMAT = 1
 
 
-def _positive_int(value, what: str, where: str) -> int:
+def positive_int(value, what: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise DataError(f"{where}: {what} must be a positive integer, got {value!r}")
     return int(value)
@@ -33,7 +33,7 @@ def _positive_int(value, what: str, where: str) -> int:
 
 def num_windows(stream: TokenStream, seq_len: int) -> int:
     """How many windows of ``seq_len + 1`` tokens, stepping by ``seq_len``, fit the stream."""
-    seq_len = _positive_int(seq_len, "seq_len", stream.name)
+    seq_len = positive_int(seq_len, "seq_len", stream.name)
     return max(0, (len(stream) - 1) // seq_len)
 
 
@@ -62,8 +62,8 @@ class Batches:
 
     def __init__(self, stream: TokenStream, seq_len: int, global_batch: int, seed: int):
         self.stream = stream
-        self.seq_len = _positive_int(seq_len, "seq_len", stream.name)
-        self.global_batch = _positive_int(global_batch, "global_batch", stream.name)
+        self.seq_len = positive_int(seq_len, "seq_len", stream.name)
+        self.global_batch = positive_int(global_batch, "global_batch", stream.name)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise DataError(f"{stream.name}: seed must be a non-negative integer, got {seed!r}")
         self.seed = int(seed)
@@ -157,9 +157,9 @@ def eval_windows(stream: TokenStream, seq_len: int, global_batch: int, batches: 
 
     A stream too short for ``batches`` gives as many whole batches as fit, with a warning;
     one too short for a single batch is a DataError."""
-    seq_len = _positive_int(seq_len, "seq_len", stream.name)
-    global_batch = _positive_int(global_batch, "global_batch", stream.name)
-    batches = _positive_int(batches, "eval batches", stream.name)
+    seq_len = positive_int(seq_len, "seq_len", stream.name)
+    global_batch = positive_int(global_batch, "global_batch", stream.name)
+    batches = positive_int(batches, "eval batches", stream.name)
     n = num_windows(stream, seq_len)
     if n < global_batch:
         raise _too_few(stream, seq_len, n, global_batch)

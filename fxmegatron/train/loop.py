@@ -21,10 +21,12 @@ from fxmegatron.optim.sharded_adamw import ShardedAdamW
 from fxmegatron.runtime.distributed import Env, make_mesh
 from fxmegatron.runtime.grad_norm import scale_grads_
 from fxmegatron.train import checkpoints
+from fxmegatron.train.config import TEXT_KINDS
 from fxmegatron.train.lr import lr_at
 from fxmegatron.train.metrics import Metrics, Progress, flops_per_token, peak_memory_gib
 from fxmegatron.train.setup import Prepared
 from fxmegatron.train.watchdog import Watchdog, check_finite
+from fxmegatron.train.wandb_sink import WandbSink
 
 H100_BF16_TFLOPS = 989.0
 
@@ -131,9 +133,11 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
              "config": cfg.as_dict(),
              "layout": {"dp": cfg.layout.dp, "pp": cfg.layout.pp, "cp": cfg.layout.cp, "tp": cfg.layout.tp}}
     files = {}
-    if cfg.data.kind == "text" and cfg.data.tokenizer != "bytes":
+    if cfg.data.kind in TEXT_KINDS and cfg.data.tokenizer != "bytes":     # a chat template with it
         files["tokenizer"] = cfg.data.tokenizer
-    metrics = Metrics(cfg.run.out, start, cfg.log.tensorboard, cfg.log.jsonl) if lead else None
+    sink = WandbSink(cfg.run.out, cfg.log.wandb_project, cfg.log.wandb_mode, cfg.as_dict(), start, cfg.source) \
+        if lead and cfg.log.wandb else None
+    metrics = Metrics(cfg.run.out, start, cfg.log.tensorboard, cfg.log.jsonl, sink) if lead else None
     progress = Progress(steps, cfg.run.log_every, start) if lead else None
     if lead:
         n_local = sum(p.numel() for p in pm.parameters())
@@ -144,6 +148,10 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
               f"{cfg.data.global_batch} x {cfg.data.seq_len}; {steps} steps; parallelize {t_parallelize:.1f} s")
         if resume:
             print(f"  resumed from {resume} at step {start}")
+            if cfg.model.init_from:     # train.init_from: the run's own checkpoint wins
+                print(f"  model.init_from {cfg.model.init_from} not read: this run has a checkpoint to resume from")
+        elif cfg.model.init_from:
+            print(f"  weights from {cfg.model.init_from} (model.init_from): step 0, a fresh optimizer")
     stop = checkpoints.StopRequest(device)
     saved_at = start if resume else -1
     last_val: Optional[float] = None

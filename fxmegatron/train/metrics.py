@@ -1,8 +1,9 @@
 """What rank 0 shows and writes while training: a progress line (loss, tokens/s, TFLOP/s per
 device, MFU, memory), OUT/loss.csv (every step, floats written exactly so runs can be compared
 bit for bit), OUT/log.jsonl (the same rows as JSON lines, with ``log.jsonl``), TensorBoard event
-files and OUT/loss.png at the end. Steps count from 1, as the console and the checkpoints do: row
-``step`` N is the N-th optimizer step, and a checkpoint step-N holds the weights after it."""
+files, W&B (``log.wandb``: ``wandb_sink.py``) and OUT/loss.png at the end. Steps count from 1, as
+the console and the checkpoints do: row ``step`` N is the N-th optimizer step, and a checkpoint
+step-N holds the weights after it."""
 from __future__ import annotations
 
 import csv
@@ -103,8 +104,9 @@ class Metrics:
     from loss.csv's kept rows, so the two agree row by row whatever happened to either before.
     TensorBoard events in OUT/tensorboard (``tensorboardX``), purged past the resume step the same way."""
 
-    def __init__(self, out: str, start_step: int, tensorboard: bool, jsonl: bool = False):
+    def __init__(self, out: str, start_step: int, tensorboard: bool, jsonl: bool = False, wandb=None):
         os.makedirs(out, exist_ok=True)
+        self.wandb = wandb        # a WandbSink (log.wandb), or None
         self.path = os.path.join(out, "loss.csv")
         self.jsonl = os.path.join(out, "log.jsonl") if jsonl else None
         self.rows: List[Dict] = []
@@ -146,10 +148,15 @@ class Metrics:
             if row.get("val_loss") is not None:
                 self.tb.add_scalar("eval/loss", row["val_loss"], s)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(row)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
 
     def plot(self, path: str, title: str) -> None:
         import matplotlib

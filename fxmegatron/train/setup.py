@@ -12,12 +12,16 @@ import torch
 
 from fxmegatron.errors import ConfigError, DataError, FxMegatronError
 from fxmegatron.layout import Layout
-from fxmegatron.train import config as config_mod
+from fxmegatron.train import chat, config_checks
 from fxmegatron.train.config import TEXT_KINDS, Config
-from fxmegatron.train.data import (Batches, eval_windows, jsonl_tokens, memmap_tokens, split_stream, text_tokens,
+from fxmegatron.train.data import (Batches, eval_windows, memmap_tokens, split_stream, text_tokens,
                                    tokenizer_vocab_size)
+from fxmegatron.train.documents import RECORD_READERS, record_tokens
 from fxmegatron.train.indexed import indexed_tokens
+from fxmegatron.train.init_from import init_state, resumes
+from fxmegatron.train.mixture import Mixture, eval_mix_windows
 from fxmegatron.train.models import ModelSource, load_model
+from fxmegatron.train.wandb_sink import require as require_wandb
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,13 +52,16 @@ class Prepared:
     def batch(self, windows: torch.Tensor, device) -> Any:
         """What the model's forward takes, from windows of seq_len + 1 tokens."""
         w = windows.to(device)
+        if self.cfg.data.format != "text":      # tokens masked from the loss come as ~id (chat.py)
+            x, labels = chat.decode(w, hf=self.source.batch_kind == "hf")
+            return {"input_ids": x, "labels": labels} if self.source.batch_kind == "hf" else (x, labels)
         if self.source.batch_kind == "hf":      # the model shifts the labels itself
             x = w[:, :-1].contiguous()
             return {"input_ids": x, "labels": x}
         return (w[:, :-1].contiguous(), w[:, 1:].contiguous())
 
 
-def _streams(cfg: Config, cache_dir: str):
+def open_streams(cfg: Config, cache_dir: str):
     d = cfg.data
 
     def open_files(paths):
@@ -65,19 +72,31 @@ def _streams(cfg: Config, cache_dir: str):
             return memmap_tokens(paths[0], d.token_dtype)
         if d.kind == "indexed":
             return indexed_tokens(paths)
-        if d.kind == "jsonl":
-            return jsonl_tokens(paths, d.tokenizer, d.text_field, cache_dir=cache_dir)
+        if d.format != "text":      # records with a loss mask (config: jsonl only)
+            return chat.jsonl_masked_tokens(paths, chat.record_format(d), cache_dir=cache_dir)
+        if d.kind in RECORD_READERS:
+            return record_tokens(d.kind, paths, d.tokenizer, d.text_field, cache_dir=cache_dir)
         return text_tokens(paths, d.tokenizer, cache_dir=cache_dir)
 
+    if not d.valid and not 0 < d.valid_fraction < 1:
+        raise ConfigError(f"{cfg.source}: data.valid is empty, so data.valid_fraction must be in (0, 1), got "
+                          f"{d.valid_fraction}")
+    if d.mix:   # lists: each corpus its own stream, and without data.valid its own held-out tail
+        corpora = [open_files([e["path"]]) for e in d.mix]
+        if d.valid:
+            return corpora, open_files(d.valid)
+        pairs = [split_stream(c, d.valid_fraction) for c in corpora]
+        return [t for t, _ in pairs], [v for _, v in pairs]
     train = open_files(d.train)
     if d.valid:
         valid = open_files(d.valid)
     else:
-        if not 0 < d.valid_fraction < 1:
-            raise ConfigError(f"{cfg.source}: data.valid is empty, so data.valid_fraction must be in (0, 1), got "
-                              f"{d.valid_fraction}")
         train, valid = split_stream(train, d.valid_fraction)
     return train, valid
+
+
+def _listed(streams) -> list:
+    return streams if isinstance(streams, list) else [streams]
 
 
 def _gpt_options(cfg: Config, vocab: int) -> Dict[str, Any]:
@@ -114,38 +133,53 @@ def check_devices(cfg: Config, local_world: int) -> None:
 def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     """The config checked against ``world`` processes (None: not checked, for --dry-run), the data
     opened and the model built on meta; raises ConfigError / DataError naming what is wrong."""
-    config_mod.check_world(cfg, world if world is not None else
-                           cfg.layout.dp * cfg.layout.pp * cfg.layout.cp * cfg.layout.tp)
+    config_checks.check_world(cfg, world if world is not None else
+                              cfg.layout.dp * cfg.layout.pp * cfg.layout.cp * cfg.layout.tp)
     layout = layout_of(cfg)
-    config_mod.check_files(cfg)
-    train, valid = _streams(cfg, os.path.join(cfg.run.out, "cache"))
+    config_checks.check_files(cfg)
+    if cfg.log.wandb:
+        require_wandb(cfg.source)
+    train, valid = open_streams(cfg, os.path.join(cfg.run.out, "cache"))
     if cfg.data.kind in TEXT_KINDS:
         vocab_data = tokenizer_vocab_size(cfg.data.tokenizer)
     else:
-        vocab_data = max(train.vocab_needed, valid.vocab_needed)
+        vocab_data = max(s.vocab_needed for s in _listed(train) + _listed(valid))
     dtype = DTYPES[cfg.run.precision]
     m = cfg.model
     options = _gpt_options(cfg, vocab_data) if m.kind == "gpt" else {}
-    source = load_model(m.kind, m.path or None, options, dtype, m.weights)
+    # init_from's weights replace the folder's (not read); a checkpoint of this run wins over both
+    source = load_model(m.kind, m.path or None, options, dtype, "random" if m.init_from else m.weights)
+    if m.init_from and not resumes(cfg):
+        source.state_dict = init_state(m.init_from, source.model, dtype, cfg.source)
     if vocab_data > source.vocab_size:
-        big = valid if cfg.data.valid and valid.vocab_needed > train.vocab_needed else train   # the file to name
+        big = max(_listed(train) + _listed(valid), key=lambda s: s.vocab_needed)   # the file to name
+        files = cfg.data.valid if cfg.data.valid and big in _listed(valid) else cfg.data.train
         what = (f"the tokenizer {cfg.data.tokenizer} has {vocab_data} tokens" if cfg.data.kind in TEXT_KINDS
-                else f"{(cfg.data.valid if big is valid else cfg.data.train)[0]} holds token ids up to {vocab_data - 1}")
+                else f"{files[0] if files else big.name} holds token ids up to {vocab_data - 1}")
         raise DataError(f"{cfg.source}: {what}, but the model's vocabulary has {source.vocab_size}: the data does "
                         f"not belong to this model{big.dtype_hint}")
     if source.max_positions is not None and cfg.data.seq_len > source.max_positions:
         raise ConfigError(f"{cfg.source}: data.seq_len {cfg.data.seq_len} is longer than the model's "
                           f"{source.max_positions} positions")
     g = cfg.data.global_batch
-    batches = Batches(train, cfg.data.seq_len, g, cfg.run.seed)
-    held_out = eval_windows(valid, cfg.data.seq_len, g, cfg.eval.batches)
+    if cfg.data.mix:
+        weights = [e["weight"] for e in cfg.data.mix]
+        batches = Mixture(train, weights, cfg.data.seq_len, g, cfg.run.seed)
+        held_out = (eval_windows(valid, cfg.data.seq_len, g, cfg.eval.batches) if cfg.data.valid else
+                    eval_mix_windows(valid, weights, cfg.data.seq_len, g, cfg.eval.batches))
+    else:
+        batches = Batches(train, cfg.data.seq_len, g, cfg.run.seed)
+        held_out = eval_windows(valid, cfg.data.seq_len, g, cfg.eval.batches)
+    if cfg.data.format != "text":
+        chat.check_held_out(held_out, source.batch_kind == "hf", cfg.source)
     model = source.model
     conf = getattr(model, "config", None) or getattr(model, "cfg", None)
     layers = getattr(conf, "num_hidden_layers", None) or getattr(conf, "n_layer", None)
     hidden = getattr(conf, "hidden_size", None) or getattr(conf, "n_embd", None)
     name = type(model).__name__ + (f" from {m.path}" if m.path else "")
     n_params = sum(p.numel() for p in model.parameters())
-    return Prepared(cfg, source, batches, held_out, len(train), len(valid), vocab_data, name, n_params,
+    tokens_train, tokens_valid = (sum(map(len, _listed(s))) for s in (train, valid))
+    return Prepared(cfg, source, batches, held_out, tokens_train, tokens_valid, vocab_data, name, n_params,
                     layers, hidden, layout)
 
 

@@ -84,7 +84,8 @@ class TokenStream:
         if self._vocab_needed is None:
             m = -1
             for chunk in self._chunks():
-                m = max(m, int(chunk.max()))
+                # a token masked from the loss is stored as ~id (chat.py): its id is ~min
+                m = max(m, int(chunk.max()), ~int(chunk.min()))
             self._vocab_needed = m + 1
         return self._vocab_needed
 
@@ -119,9 +120,11 @@ class TokenStream:
         h = hashlib.sha256()
         narrow = all(p.dtype.kind == "u" and p.dtype.itemsize <= 4 for p in self._parts)
         for chunk in self._chunks():
-            if not narrow and len(chunk) and (int(chunk.min()) < 0 or int(chunk.max()) >= 1 << 32):
-                bad = int(chunk.min()) if int(chunk.min()) < 0 else int(chunk.max())
-                raise DataError(f"{self.name}: token id {bad} is outside [0, 2**32): not a token stream")
+            # a masked token's ~id (chat.py, int32) wraps to 2**32 - 1 - id, which no id of its stream
+            # reaches: the hash sees the mask too, and a plain stream hashes as before
+            if not narrow and len(chunk) and (int(chunk.min()) < -(1 << 31) or int(chunk.max()) >= 1 << 32):
+                bad = int(chunk.min()) if int(chunk.min()) < -(1 << 31) else int(chunk.max())
+                raise DataError(f"{self.name}: token id {bad} is outside [-2**31, 2**32): not a token stream")
             h.update(chunk.astype("<u4").tobytes())
         return h.hexdigest()
 
