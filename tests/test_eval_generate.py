@@ -223,3 +223,8 @@ def test_bad_input_is_one_line_and_status_2(gpt_run, hf_folder, capsys, tmp_path
     _error(capsys, ["generate", ckpt, "--prompt", ""], "the prompt has no tokens")
     _error(capsys, ["generate", ckpt, "--prompt", "w1 w2", "--tokenizer", str(tmp_path / "none")],
            "no such directory")
+
+
+def test_generate_chat_needs_a_chat_template(hf_folder, capsys):
+    folder, _ = hf_folder       # its word-level tokenizer has none (the README's walk-through uses one that has)
+    _error(capsys, ["generate", folder, "--chat", "--prompt", "w3"], "--chat: the tokenizer")

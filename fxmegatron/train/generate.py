@@ -50,6 +50,14 @@ class Tokenizer:
             return list(text.encode("utf-8"))
         return list(self.hf(text, add_special_tokens=False, verbose=False)["input_ids"])
 
+    def chat(self, text: str) -> List[int]:
+        """``text`` as a user's turn in the tokenizer's chat template, opening the assistant's turn:
+        what ``data.format = "chat"`` trained the model to answer."""
+        if self.hf is None or not getattr(self.hf, "chat_template", None):
+            raise ConfigError(f"--chat: the tokenizer {self.name} has no chat template")
+        return list(self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
+
     def decode(self, ids: List[int]) -> str:
         if self.hf is None:
             return bytes(ids).decode("utf-8", errors="replace")
@@ -119,10 +127,10 @@ def loop_generate(model, ids: torch.Tensor, max_new: int, block: Optional[int], 
 
 
 def generate(loaded: Loaded, tok: Tokenizer, prompt: str, max_new: int, temperature: float, top_p: float,
-             seed: int) -> List[int]:
-    """The new tokens' ids."""
+             seed: int, chat: bool = False) -> List[int]:
+    """The new tokens' ids (``chat``: the prompt is a user's turn of the chat template)."""
     src, dev = loaded.source, loaded.device
-    prompt_ids = tok.encode(prompt)
+    prompt_ids = tok.chat(prompt) if chat else tok.encode(prompt)
     if not prompt_ids:
         raise DataError("--prompt: the prompt has no tokens; give some text")
     if max(prompt_ids) >= src.vocab_size:
@@ -152,6 +160,9 @@ def main(argv=None) -> int:
     ap.add_argument("target", help="a trainer config (its latest checkpoint), a checkpoint folder (index.json) or "
                                    "a model folder (config.json: save_pretrained, fxmegatron export)")
     ap.add_argument("--prompt", required=True, help="the text to complete")
+    ap.add_argument("--chat", action="store_true",
+                    help="the prompt is a user's message: rendered by the tokenizer's chat template, the assistant's "
+                         "turn opened (for a model trained with data.format = \"chat\"); its end-of-turn is not printed")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass, in (0, 1] (default 1)")
@@ -175,11 +186,12 @@ def main(argv=None) -> int:
         if args.set and loaded.config is None:
             raise ConfigError(f"{args.target}: --set changes a run config, and a model folder holds none")
         tok = tokenizer_of(loaded, args.tokenizer)
-        new = generate(loaded, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+        new = generate(loaded, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                       args.chat)
     except FxMegatronError as exc:
         print(f"fxmegatron generate: error: {exc}", file=sys.stderr, flush=True)
         return BAD_INPUT
-    text = tok.decode(new)
+    text = tok.decode(new[:-1] if args.chat and new and new[-1] == tok.eos else new)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": text, "tokens": new}), flush=True)
     else:
