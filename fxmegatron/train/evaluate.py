@@ -24,7 +24,7 @@ import torch
 from fxmegatron.errors import ConfigError, DataError, FxMegatronError
 from fxmegatron.train.config import TEXT_KINDS, Config, from_dict
 from fxmegatron.train.data import eval_windows, num_windows, tokenizer_vocab_size
-from fxmegatron.train.inference import Loaded, load_target
+from fxmegatron.train.inference import Loaded, add_target_arguments, load_target
 from fxmegatron.train.setup import Prepared, open_streams
 from fxmegatron.train.status import BAD_INPUT
 
@@ -127,23 +127,16 @@ def evaluate(loaded: Loaded, cfg: Config, windows) -> Dict[str, Any]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fxmegatron eval", allow_abbrev=False,
                                  description="held-out loss and perplexity of a trained model (one process)")
-    ap.add_argument("target", help="a trainer config (its latest checkpoint), a checkpoint folder (index.json) or "
-                                   "a model folder (config.json: save_pretrained, fxmegatron export)")
+    add_target_arguments(ap, "override a key of the run's config, as fxmegatron train --set (a model folder: of "
+                             "the config the data flags make, e.g. data.format)")
     ap.add_argument("--data", nargs="+", default=None, metavar="FILE",
                     help="evaluate on these files (default: the run's held-out split)")
     ap.add_argument("--data-kind", default=None, help="how to read --data: text, jsonl, tokens, indexed "
                                                       "(default: the run's data.kind, else text)")
-    ap.add_argument("--tokenizer", default=None, help="bytes or a tokenizer folder (default: the checkpoint's)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per batch (default: the run's global batch)")
     ap.add_argument("--batches", type=int, default=None,
                     help="batches to evaluate (default: the run's eval.batches; with --data, every whole batch)")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a key of the run's config, as fxmegatron train --set (a model folder: of the "
-                         "config the data flags make, e.g. data.format)")
-    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    ap.add_argument("--precision", default=None, choices=["bf16", "fp32"],
-                    help="the weights' dtype (default: the checkpoint's, fp32 for a model folder)")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:

@@ -27,7 +27,7 @@ from typing import List, Optional
 import torch
 
 from fxmegatron.errors import ConfigError, DataError, FxMegatronError
-from fxmegatron.train.inference import Loaded, load_target
+from fxmegatron.train.inference import Loaded, add_target_arguments, load_target
 from fxmegatron.train.status import BAD_INPUT
 
 
@@ -157,8 +157,7 @@ def generate(loaded: Loaded, tok: Tokenizer, prompt: str, max_new: int, temperat
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fxmegatron generate", allow_abbrev=False,
                                  description="complete a prompt with a trained model (one process)")
-    ap.add_argument("target", help="a trainer config (its latest checkpoint), a checkpoint folder (index.json) or "
-                                   "a model folder (config.json: save_pretrained, fxmegatron export)")
+    add_target_arguments(ap, "override a key of the run's config, as fxmegatron train --set")
     ap.add_argument("--prompt", required=True, help="the text to complete")
     ap.add_argument("--chat", action="store_true",
                     help="the prompt is a user's message: rendered by the tokenizer's chat template, the assistant's "
@@ -167,12 +166,6 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass, in (0, 1] (default 1)")
     ap.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
-    ap.add_argument("--tokenizer", default=None, help="bytes or a tokenizer folder (default: the checkpoint's)")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a key of the run's config, as fxmegatron train --set")
-    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    ap.add_argument("--precision", default=None, choices=["bf16", "fp32"],
-                    help="the weights' dtype (default: the checkpoint's, fp32 for a model folder)")
     ap.add_argument("--json", action="store_true", help="print one JSON line: the completion and its token ids")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:

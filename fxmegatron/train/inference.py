@@ -41,6 +41,17 @@ class Loaded:
     device: torch.device
 
 
+def add_target_arguments(ap, set_help: str) -> None:
+    """The flags eval and generate share: what to load, and how (``load_target``'s arguments)."""
+    ap.add_argument("target", help="a trainer config (its latest checkpoint), a checkpoint folder (index.json) or "
+                                   "a model folder (config.json: save_pretrained, fxmegatron export)")
+    ap.add_argument("--tokenizer", default=None, help="bytes or a tokenizer folder (default: the checkpoint's)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=set_help)
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    ap.add_argument("--precision", default=None, choices=["bf16", "fp32"],
+                    help="the weights' dtype (default: the checkpoint's, fp32 for a model folder)")
+
+
 def load_target(target: str, overrides: List[str], device: str = "auto",
                 precision: Optional[str] = None) -> Loaded:
     """The model (and run config with ``overrides``, and tokenizer) of ``target`` (see the module's docstring);
