@@ -103,6 +103,10 @@ KEYS: List[Key] = [
     _k("data", "messages_field", STR, "messages", "format = chat: the field of each record that holds its messages"),
     _k("data", "prompt_field", STR, "prompt", "format = prompt_completion: the field holding the prompt"),
     _k("data", "completion_field", STR, "completion", "format = prompt_completion: the field holding the completion"),
+    _k("data", "document_mask", BOOL, False, "Hugging Face models and tokenizers: attention kept inside each "
+       "packed document (a per-document causal mask, positions restarting at each document, its first token "
+       "not predicted from the document before): each document computed as alone. Its mask leaves the flash "
+       "kernels on GPUs"),
     _k("data", "train", LIST, [], "training file(s): a path or a list of paths (give train or mix)"),
     _k("data", "mix", TABLES, [], "a weighted mixture of training corpora in place of train: [{path = \"a\", "
        "weight = 0.7}, ...], each a file (folder, prefix) of data.kind; weights positive, normalised; samples "

@@ -62,3 +62,18 @@ def check_files(cfg: Config) -> None:
     r = cfg.checkpoint.resume
     if r not in ("auto", "none") and not os.path.isdir(r):
         raise ConfigError(f"{cfg.source}: checkpoint.resume {r} is not a folder")
+
+
+def check_document_mask(cfg: Config) -> None:
+    """data.document_mask against the data and layout (the model's forward is checked once built)."""
+    d = cfg.data
+    if not d.document_mask:
+        return
+    if d.kind not in TEXT_KINDS or d.tokenizer == "bytes" or d.format == "chat":
+        raise ConfigError(f"{cfg.source}: data.document_mask finds documents by the EOS a Hugging Face tokenizer "
+                          f"puts after each: it needs data.tokenizer to be one (not 'bytes') and data.kind text, "
+                          f"jsonl, parquet or hf_dataset; not data.format = 'chat', whose templates may end every "
+                          f"turn with that EOS")
+    if cfg.layout.cp > 1:
+        raise ConfigError(f"{cfg.source}: data.document_mask: context parallelism (layout.cp = {cfg.layout.cp}) "
+                          f"takes causal attention only")

@@ -16,7 +16,8 @@ from fxmegatron.train import chat, config_checks
 from fxmegatron.train.config import TEXT_KINDS, Config
 from fxmegatron.train.data import (Batches, eval_windows, memmap_tokens, split_stream, text_tokens,
                                    tokenizer_vocab_size)
-from fxmegatron.train.documents import RECORD_READERS, record_tokens
+from fxmegatron.train.doc_mask import hf_batch
+from fxmegatron.train.documents import RECORD_READERS, load_tokenizer, record_tokens
 from fxmegatron.train.indexed import indexed_tokens
 from fxmegatron.train.init_from import init_state, resumes
 from fxmegatron.train.mixture import Mixture, eval_mix_windows
@@ -40,6 +41,7 @@ class Prepared:
     layers: Optional[int]              # from the model's config, for the attention FLOPs (None: unknown)
     hidden: Optional[int]
     layout: Optional[Layout] = None    # the [layout] table as a Layout (seed and gradient sums from [run])
+    eos: Optional[int] = None          # data.document_mask: the id that ends a document
 
     @property
     def dtype(self) -> torch.dtype:
@@ -52,13 +54,17 @@ class Prepared:
     def batch(self, windows: torch.Tensor, device) -> Any:
         """What the model's forward takes, from windows of seq_len + 1 tokens."""
         w = windows.to(device)
+        hf = self.source.batch_kind == "hf"
         if self.cfg.data.format != "text":      # tokens masked from the loss come as ~id (chat.py)
-            x, labels = chat.decode(w, hf=self.source.batch_kind == "hf")
-            return {"input_ids": x, "labels": labels} if self.source.batch_kind == "hf" else (x, labels)
-        if self.source.batch_kind == "hf":      # the model shifts the labels itself
+            x, labels = chat.decode(w, hf=hf)
+        elif hf:                                # the model shifts the labels itself
             x = w[:, :-1].contiguous()
-            return {"input_ids": x, "labels": x}
-        return (w[:, :-1].contiguous(), w[:, 1:].contiguous())
+            x, labels = x, x
+        else:
+            x, labels = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        if self.eos is not None:                # data.document_mask (config: HF models only)
+            return hf_batch(x, labels, self.eos)
+        return {"input_ids": x, "labels": labels} if hf else (x, labels)
 
 
 def open_streams(cfg: Config, cache_dir: str):
@@ -137,6 +143,7 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
                               cfg.layout.dp * cfg.layout.pp * cfg.layout.cp * cfg.layout.tp)
     layout = layout_of(cfg)
     config_checks.check_files(cfg)
+    config_checks.check_document_mask(cfg)
     if cfg.log.wandb:
         require_wandb(cfg.source)
     train, valid = open_streams(cfg, os.path.join(cfg.run.out, "cache"))
@@ -180,7 +187,23 @@ def prepare(cfg: Config, world: Optional[int]) -> Prepared:
     n_params = sum(p.numel() for p in model.parameters())
     tokens_train, tokens_valid = (sum(map(len, _listed(s))) for s in (train, valid))
     return Prepared(cfg, source, batches, held_out, tokens_train, tokens_valid, vocab_data, name, n_params,
-                    layers, hidden, layout)
+                    layers, hidden, layout, _document_end(cfg, source))
+
+
+def _document_end(cfg: Config, source: ModelSource) -> Optional[int]:
+    """data.document_mask: the tokenizer's EOS, which ends each document of the stream."""
+    d = cfg.data
+    if not d.document_mask:
+        return None
+    if source.batch_kind != "hf":
+        raise ConfigError(f"{cfg.source}: data.document_mask gives the model a per-document attention mask and "
+                          f"positions, which only a Hugging Face model's forward takes (attention_mask, "
+                          f"position_ids); model.kind = {cfg.model.kind!r}'s does not")
+    eos = load_tokenizer(d.tokenizer).eos_token_id
+    if eos is None:
+        raise ConfigError(f"{cfg.source}: data.document_mask: the tokenizer {d.tokenizer} has no EOS token, so its "
+                          f"documents are not marked in the stream")
+    return eos
 
 
 def grad_accum_dtype(cfg: Config) -> Optional[torch.dtype]:
