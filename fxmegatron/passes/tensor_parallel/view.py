@@ -134,7 +134,9 @@ class View:
             if pp is None:
                 return None
             if isinstance(pp, Shard):
-                return Shard(dmap.index(pp.dim), pp.blocks)
+                # a dim the alias does not keep (rows gathered by an index): not its layout to
+                # carry, so it reads as unclaimed and its consumer's claim conflicts (replicated)
+                return Shard(dmap.index(pp.dim), pp.blocks) if pp.dim in dmap else None
             return pp
         return self._s.plc.get(n, R)
 
@@ -191,6 +193,8 @@ class View:
         if n not in self.free:
             return self.get(n) == want
         pname, dmap = self.free[n]
+        if isinstance(want, Shard) and dmap[want.dim] is None:
+            return False        # a dim the alias added or gathered: no dim of the parameter to split
         pw = Shard(dmap[want.dim], want.blocks) if isinstance(want, Shard) else R
         if pname in self.forced_rep:
             return isinstance(pw, Replicate)

@@ -18,13 +18,13 @@ import torch.fx as fx
 
 from fxmegatron.passes.tensor_parallel.nodes import packet
 from fxmegatron.passes.tensor_parallel.rules import (
-    attention, embedding, matmul, norms, opaque, pointwise, reductions, views)
+    attention, embedding, indexing, matmul, norms, opaque, pointwise, reductions, views)
 from fxmegatron.passes.tensor_parallel.rules.registry import RULES, register
 
 __all__ = ["RULES", "register", "rule_for"]
 
 # importing a rule module registers its rules
-RULE_MODULES = (attention, embedding, matmul, norms, opaque, pointwise, reductions, views)
+RULE_MODULES = (attention, embedding, indexing, matmul, norms, opaque, pointwise, reductions, views)
 
 
 def rule_for(node: fx.Node):

@@ -36,9 +36,22 @@ def matmul(view, node):
     else:
         x, w, b = args[0], args[1], None
         w_out, w_in = 1, 0
+    if pk is aten.bmm and _experts_bmm(view, x, w):
+        return linear(view, node, x, w, None, 2, 1, 2, 2)
     if w not in view.free or val(w) is None or val(w).ndim != 2:
         return activation_matmul(view, node, x, w)
     return linear(view, node, x, w, b, w_out, w_in, val(x).ndim - 1, val(node).ndim - 1)
+
+
+def _experts_bmm(view, x, w) -> bool:
+    """``bmm(x [E, T, in], W [E, in, out])`` with ``W`` a 3-D parameter (a transpose of its last
+    two dims included), its experts dim first: each expert's rows meet its own matrix (Llama 4's
+    experts), so it is a linear along ``in`` -> ``out`` for every expert at once, as
+    ``grouped_mm`` is. Precondition: ``x`` not split along the experts dim."""
+    if w not in view.free or val(w) is None or val(w).ndim != 3 or view.free[w][1][0] != 0:
+        return False
+    px = view.get(x)
+    return not (isinstance(px, Shard) and norm(px.dim, 3) == 0)
 
 
 def linear(view, node, x, w, b, w_out, w_in, x_in, out_dim):

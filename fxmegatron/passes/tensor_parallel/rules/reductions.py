@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from fxmegatron.passes.tensor_parallel.nodes import norm, val
+from fxmegatron.passes.tensor_parallel.nodes import norm, val, where
+from fxmegatron.passes.tensor_parallel.plan import SLICE
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
 from fxmegatron.passes.tensor_parallel.rules.registry import register
 from fxmegatron.placement import Partial, R, Replicate, Shard
@@ -57,19 +58,37 @@ def reduce(view, node):
     return view.set(node, Shard(e, p.blocks), origins)
 
 
+@register(aten.max, aten.min)
+def max_min(view, node):
+    """``max(x, dim, keepdim)`` / ``min``: the values and the indices along ``dim``, each
+    placed as ``reduce`` places that reduction (softmax with attention sinks subtracts the max
+    over the scores and the sink); without ``dim``, a reduction of everything."""
+    out = reduce(view, node)
+    if isinstance(val(node), (tuple, list)) and isinstance(out.placement, Shard):
+        return view.set(node, (out.placement, out.placement), out.origins)
+    return out
+
+
 @register(aten.slice, name="reductions.slice")
 def slice_(view, node):
-    """Precondition: the split dim is taken whole (slicing another dim keeps the split);
-    otherwise the split's matmuls are demoted."""
+    """Precondition: the split dim is taken whole (slicing another dim keeps the split), or
+    every ``step``-th element of it from a ``start`` below ``step`` (``gate_up[..., ::2]``,
+    ``[..., 1::2]``: interleaved gate and up features, as gpt-oss's experts), with each rank's
+    part a multiple of ``step`` long and no fused blocks: rank r's part of the result is then
+    the same slice of its own part. Otherwise the split's matmuls are demoted."""
     s = _split_input(view, node)
     if s is None:
         return view.outcome
     x, p, nd, d, origins = s
     dim = norm(node.args[1] if len(node.args) > 1 else 0, nd)
-    full = (len(node.args) < 3 or node.args[2] in (0, None)) and (
-        len(node.args) < 4 or node.args[3] is None or node.args[3] >= val(x).shape[dim])
-    if dim == d and not full:
-        view.demote(origins, node, "slices the split dim")
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    step = node.args[4] if len(node.args) > 4 else 1
+    to_end = len(node.args) < 4 or node.args[3] is None or node.args[3] >= val(x).shape[dim]
+    if dim == d and not (to_end and start == 0 and step == 1):
+        strided = (to_end and isinstance(start, int) and isinstance(step, int) and 0 <= start < step
+                   and p.blocks is None and (val(x).shape[d] // view.tp) % step == 0)
+        if not strided:
+            view.demote(origins, node, "slices the split dim")
     return view.set(node, p, origins)
 
 
@@ -97,7 +116,8 @@ def _empty_along(a, dim, nd) -> bool:
 @register(aten.cat)
 def cat(view, node):
     """Precondition: all inputs replicated, or all split along the same dim (without fused
-    blocks), which is not the cat dim. Inputs empty along the cat dim (a KV cache before
+    blocks), which is not the cat dim, beside unclaimed parameters and constants split to
+    match (``_matched``). Inputs empty along the cat dim (a KV cache before
     its first token) contribute nothing: they are left out of the check, and of the cat
     when the result is split. Otherwise the splits' matmuls are demoted."""
     tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
@@ -108,14 +128,29 @@ def cat(view, node):
     if all(isinstance(p, Replicate) for p in ps):
         return view.set(node, R)
     origins = set().union(*(view.orig(a) for a in live))
-    if all(isinstance(p, Shard) for p in ps) and len({(norm(p.dim, nd), p.blocks) for p in ps}) == 1 \
-            and norm(ps[0].dim, nd) != dim and ps[0].blocks is None:
+    splits = {(norm(p.dim, nd), p.blocks) for p in ps if isinstance(p, Shard)}
+    if len(splits) == 1 and next(iter(splits))[0] != dim and next(iter(splits))[1] is None \
+            and all(_matched(view, a, p, next(iter(splits))[0], node) for a, p in zip(live, ps)):
         if len(live) < len(tensors):
             view.rewrite_args((live,) + tuple(node.args[1:]))
-        return view.set(node, ps[0], origins)
+        return view.set(node, Shard(next(iter(splits))[0]), origins)
     if origins:
         view.demote(origins, node, "concatenates differently split inputs or along the split dim")
     return replicate_all(view, node, "")
+
+
+def _matched(view, a, p, d, node) -> bool:
+    """Whether input ``a`` of a cat whose other inputs are split along ``d`` can be too: it is,
+    or it is a parameter no rule has claimed (claimed split along ``d``: gpt-oss's attention
+    sinks, one per head, beside the heads' scores), or a constant (sliced locally)."""
+    if isinstance(p, Shard):
+        return True
+    if p is None:
+        return view.claim(a, Shard(d), where(node))
+    if isinstance(p, Replicate) and a not in view.needs_grad and a not in view.free:
+        view.add(SLICE, a, node, d)
+        return True
+    return False
 
 
 @register(aten.stack)

@@ -45,11 +45,31 @@ def getitem(view, node):
     return view.set(node, src[node.args[1]] if isinstance(src, tuple) else R, view.orig(node.args[0]))
 
 
+def _unit_dims_alias(view, node, x, sizes):
+    """A reshape or expand of a parameter no rule has claimed that only adds, drops or
+    broadcasts dims of size 1 (gpt-oss's ``sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)``):
+    the parameter's dims keep their order and their sizes are given as -1, so the same call on
+    a shard gives the shard's view. The output stays free with the new dims mapped to no
+    parameter dim; otherwise None."""
+    pname, dmap = view.free[x]
+    ins, outs = list(val(x).shape), list(val(node).shape)
+    kept_in = [i for i, n in enumerate(ins) if n != 1]
+    kept_out = [j for j, n in enumerate(outs) if n != 1 and (packet(node) is not aten.expand
+                                                             or j - (len(outs) - len(ins)) in kept_in)]
+    if [ins[i] for i in kept_in] != [outs[j] for j in kept_out] or any(sizes[j] != -1 for j in kept_out):
+        return None
+    out_map = [None] * len(outs)
+    for i, j in zip(kept_in, kept_out):
+        out_map[j] = dmap[i]
+    return view.alias(pname, tuple(out_map))
+
+
 def _unsplit_input(view, node, x, p):
-    """A reshape of a value that is not split: unknown -> replicated, a partial sum stays
-    partial (with its deferred bias where the last dim is kept), anything else carried."""
+    """A reshape of a value that is not split: of an unclaimed parameter, an alias when it
+    only moves unit dims (``_unit_dims_alias``), else replicated; a partial sum stays partial
+    (with its deferred bias where the last dim is kept), anything else carried."""
     if p is None:
-        return replicate_all(view, node, "")
+        return _unit_dims_alias(view, node, x, list(node.args[1])) or replicate_all(view, node, "")
     if isinstance(p, Partial):
         return view.set(node, p if view.carry_bias(x, node) else R)
     return view.set(node, p)
@@ -182,6 +202,8 @@ def layout(view, node):
         pname, dmap = view.free[x]
         if perm is not None:
             return view.alias(pname, tuple(dmap[i] for i in perm))
+        if pk is aten.expand:
+            return _unit_dims_alias(view, node, x, list(node.args[1])) or replicate_all(view, node, "")
         return replicate_all(view, node, "")
     if isinstance(p, Partial):
         if pk is not aten.expand and view.carry_bias(x, node):
@@ -210,6 +232,26 @@ def layout(view, node):
             sizes[e] = sizes[e] // view.tp
         view.rewrite_args((x, sizes) + tuple(node.args[2:]))
     return view.set(node, Shard(e, p.blocks), origins)
+
+
+@register(aten.view_as_complex, aten.view_as_real)
+def complex_view(view, node):
+    """A real ``[..., n, 2]`` seen as complex ``[..., n]`` and back (rotary embeddings in complex
+    arithmetic, as Llama 4's). Precondition: the split dim is not the pair dim, which
+    view_as_complex removes and view_as_real adds last; it stays where it is. A partial sum is
+    reduced first (g); an unsplit input is carried."""
+    x = node.args[0]
+    p = view.get(x)
+    if isinstance(p, Partial) or p is None:
+        view.replicate(x, node) if isinstance(p, Partial) else view.claim(x, R, where(node))
+        return view.set(node, R)
+    if not isinstance(p, Shard):
+        return view.set(node, p)
+    nd = val(x).ndim
+    d = norm(p.dim, nd)
+    if packet(node) is aten.view_as_complex and d == nd - 1:
+        view.demote(view.orig(x), node, "views the split dim as the real and imaginary parts")
+    return view.set(node, Shard(d, p.blocks), view.orig(x))
 
 
 @register(aten.split, aten.split_with_sizes, aten.chunk)
