@@ -195,7 +195,7 @@ def test_chat_needs_a_tokenizer_with_a_template(tmp_path):
                                           r"tokenizer's chat template, and data\.tokenizer = 'bytes' has none"):
         from_dict({"run": {"steps": 1}, "data": data}, "c.toml")
     with pytest.raises(ConfigError, match=r"c\.toml: data\.format = 'chat' reads records: it needs data\.kind = "
-                                          r"'jsonl', not 'text'"):
+                                          r"'jsonl', 'parquet' or 'hf_dataset', not 'text'"):
         from_dict({"run": {"steps": 1}, "data": dict(data, kind="text", tokenizer="tok")}, "c.toml")
     bare = chat_tokenizer(tmp_path / "bare", template=None)
     p = _jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}])
@@ -320,3 +320,28 @@ def test_a_chat_finetune_at_tp2_is_the_masked_loss_loop(tmp_path):
     for k, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= 1e-5 * b, (k, got, want)
     assert got[-1] < got[0]
+
+
+def test_parquet_and_datasets_rows_are_records_as_jsonl_lines_are(tmp_path):
+    """Chat and prompt/completion rows of a Parquet file and of a datasets folder (a list of
+    {role, content} structs, string columns) give the JSON Lines file's stream, token for token."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    tok = chat_tokenizer(tmp_path / "tok")
+    rows = [{"messages": CONVERSATION, "prompt": "w1 w2", "completion": "w3"},
+            {"messages": CONVERSATION[1:3], "prompt": "w9", "completion": "w8 w7"}]
+    p_jsonl = _jsonl(tmp_path / "d.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet", row_group_size=1)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    for fmt in (RecordFormat("chat", tok), RecordFormat("prompt_completion", tok)):
+        want = _all(jsonl_masked_tokens([p_jsonl], fmt))
+        assert any(t < 0 for t in want) and any(t >= 0 for t in want)
+        for kind, path in (("parquet", tmp_path / "d.parquet"), ("hf_dataset", tmp_path / "ds")):
+            assert _all(chat.record_masked_tokens(kind, [str(path)], fmt)) == want, (kind, fmt.format)
+            cached = chat.record_masked_tokens(kind, [str(path)], fmt, cache_dir=str(tmp_path / f"c-{kind}"))
+            assert _all(cached) == want, (kind, "cached")
+    with pytest.raises(DataError, match=r"d.parquet: row 0"):      # a row is named as a JSON line is
+        bad = tmp_path / "bad.parquet"
+        pq.write_table(pa.Table.from_pylist([{"text": "w1"}]), bad)
+        chat.record_masked_tokens("parquet", [str(bad)], RecordFormat("chat", tok))

@@ -27,6 +27,7 @@ import torch
 
 from fxmegatron.errors import ConfigError, DataError
 from fxmegatron.train import documents
+from fxmegatron.train import records as record_files
 from fxmegatron.train.token_files import atomic_write, exclusive
 from fxmegatron.train.tokens import TokenStream
 
@@ -248,13 +249,14 @@ def _cached(paths: list, fmt: RecordFormat, records: Records, cache_dir: str) ->
     return _read_cache(bin_path)
 
 
-def masked_tokens(paths, fmt: RecordFormat, records: Records, cache_dir: Optional[str] = None) -> TokenStream:
+def masked_tokens(paths, fmt: RecordFormat, records: Records, cache_dir: Optional[str] = None,
+                  kind: str = "jsonl") -> TokenStream:
     """Files of records as one packed stream of encoded tokens (``encode``), each record's tokens
     after the previous one's, in file and record order. ``records(path)`` yields ``(where, record)``
     (``documents.jsonl_records`` for JSON Lines). With ``cache_dir`` and an HF tokenizer the stream is
     written once per host and memory-mapped after (the key: the files, the tokenizer folder and
     the format's fields); by bytes it is built in memory, as plain JSON Lines is."""
-    paths = documents.check_text_paths(paths)
+    paths = documents.check_text_paths(paths, kind)
     name = documents.paths_name(paths)
     try:
         if cache_dir is not None and fmt.tokenizer != "bytes":
@@ -270,6 +272,17 @@ def masked_tokens(paths, fmt: RecordFormat, records: Records, cache_dir: Optiona
 
 def jsonl_masked_tokens(paths, fmt: RecordFormat, cache_dir: Optional[str] = None) -> TokenStream:
     return masked_tokens(paths, fmt, documents.jsonl_records, cache_dir)
+
+
+# each record kind's reader of whole records: path -> (where, record), in order
+ROW_READERS = {"jsonl": documents.jsonl_records, "parquet": record_files.parquet_rows,
+               "hf_dataset": record_files.dataset_rows}
+
+
+def record_masked_tokens(kind: str, paths, fmt: RecordFormat, cache_dir: Optional[str] = None) -> TokenStream:
+    """``masked_tokens`` of JSON Lines, Parquet or ``datasets`` folders (``kind``), a row's columns
+    being its record's fields."""
+    return masked_tokens(paths, fmt, ROW_READERS[kind], cache_dir, kind)
 
 
 def record_format(data) -> RecordFormat:

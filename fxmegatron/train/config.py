@@ -96,7 +96,7 @@ KEYS: List[Key] = [
        choices=("text", "jsonl", "tokens", "indexed", "parquet", "hf_dataset")),
     _k("data", "text_field", STR, "text", "kind = jsonl, parquet or hf_dataset: the field (column) of each record "
        "that holds its text"),
-    _k("data", "format", STR, "text", "kind = jsonl: what a record is: text (its text_field, every token in the "
+    _k("data", "format", STR, "text", "kind = jsonl, parquet or hf_dataset: what a record (row) is: text (its text_field, every token in the "
        "loss), chat (its messages_field, [{role, content}, ...], rendered by the tokenizer's chat template; only "
        "the assistant turns in the loss) or prompt_completion (prompt_field then completion_field; only the "
        "completion and EOS in the loss)", choices=("text", "chat", "prompt_completion")),
@@ -302,9 +302,9 @@ def from_dict(raw: Dict[str, Any], where: str = "config", base_dir: str = ".",
     if m["init_from"]:
         m["init_from"] = _path(base_dir, m["init_from"])
     d = values["data"]
-    if d["format"] != "text" and d["kind"] != "jsonl":
+    if d["format"] != "text" and d["kind"] not in ("jsonl", "parquet", "hf_dataset"):
         raise ConfigError(f"{where}: data.format = {d['format']!r} reads records: it needs data.kind = 'jsonl', "
-                          f"not {d['kind']!r}")
+                          f"'parquet' or 'hf_dataset', not {d['kind']!r}")
     if d["format"] == "chat" and d["tokenizer"] == "bytes":
         raise ConfigError(f"{where}: data.format = 'chat' renders conversations with the tokenizer's chat template, "
                           "and data.tokenizer = 'bytes' has none: give a Hugging Face tokenizer folder")

@@ -1,7 +1,8 @@
 """Documents from columnar files: each row's text column of a Parquet file (``pyarrow.parquet``,
 read one batch of rows at a time) or of a folder written by ``datasets.Dataset.save_to_disk``
 (``datasets.load_from_disk``, memory-mapped Arrow), in row order. ``documents.py`` tokenizes
-and caches them exactly as it does JSON Lines records."""
+and caches them exactly as it does JSON Lines records. Whole rows (``*_rows``) feed the
+chat and prompt/completion formats (``chat.py``), as JSON Lines records do."""
 from __future__ import annotations
 
 import importlib
@@ -67,3 +68,33 @@ def dataset_texts(path: str, field: str) -> Iterator[str]:
     typ = ds.features[field]
     ds = ds.select_columns([field])
     yield from _strings((b[field] for b in ds.iter(batch_size=_BATCH_ROWS)), path, field, typ)
+
+
+def parquet_rows(path: str) -> Iterator[tuple]:
+    """``(where, row)`` of every row of a Parquet file as a dict of its columns, in row order."""
+    pa = _need("pyarrow", "parquet")
+    pq = _need("pyarrow.parquet", "parquet")
+    try:
+        f = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+    row = 0
+    for batch in f.iter_batches(batch_size=_BATCH_ROWS):
+        for rec in batch.to_pylist():
+            yield f"{path}: row {row}", rec
+            row += 1
+
+
+def dataset_rows(path: str) -> Iterator[tuple]:
+    """``(where, row)`` of every row of a ``Dataset.save_to_disk`` folder, in row order (a
+    ``DatasetDict`` refused as ``dataset_texts`` refuses it)."""
+    datasets = _need("datasets", "hf_dataset")
+    try:
+        ds = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise DataError(f"{path}: not a folder written by datasets' save_to_disk ({e})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        raise DataError(f"{path}: a DatasetDict of splits {sorted(ds)}: give the folder of one split, e.g. "
+                        f"{path}/{sorted(ds)[0]}, in data.train (and another in data.valid)")
+    for row, rec in enumerate(ds):
+        yield f"{path}: row {row}", rec

@@ -78,8 +78,8 @@ def open_streams(cfg: Config, cache_dir: str):
             return memmap_tokens(paths[0], d.token_dtype)
         if d.kind == "indexed":
             return indexed_tokens(paths)
-        if d.format != "text":      # records with a loss mask (config: jsonl only)
-            return chat.jsonl_masked_tokens(paths, chat.record_format(d), cache_dir=cache_dir)
+        if d.format != "text":      # records with a loss mask (config: jsonl, parquet, hf_dataset)
+            return chat.record_masked_tokens(d.kind, paths, chat.record_format(d), cache_dir=cache_dir)
         if d.kind in RECORD_READERS:
             return record_tokens(d.kind, paths, d.tokenizer, d.text_field, cache_dir=cache_dir)
         return text_tokens(paths, d.tokenizer, cache_dir=cache_dir)
