@@ -121,6 +121,8 @@ def test_a_resume_with_other_weights_or_corpora_is_refused_naming_them():
     single = Batches(TokenStream(A.copy(), name="a"), SEQ, 4, 5).state()
     with pytest.raises(DataError, match=r"trained on one corpus \(data.train: a\), this run mixes 2"):
         Mixture(_corpora(), [0.75, 0.25], SEQ, 4, seed=5).check_state(single)
+    with pytest.raises(DataError, match=r"trained on a mixture of 2 corpora \(data.mix\), this run on one"):
+        Batches(TokenStream(A.copy(), name="a"), SEQ, 4, 5).check_state(saved)
 
 
 def test_held_out_tails_are_blended_like_training():

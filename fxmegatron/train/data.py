@@ -126,6 +126,10 @@ class Batches:
         where = f"{self.stream.name}: resumed data does not match the checkpoint's"
         if not isinstance(saved, dict):
             raise DataError(f"{where}: the saved data state is {type(saved).__name__}, not a dict")
+        if saved.get("kind") == "mixture":
+            n = len(saved["corpora"]) if isinstance(saved.get("corpora"), list) else "several"
+            raise DataError(f"{where}: the checkpoint was trained on a mixture of {n} corpora (data.mix), this run "
+                            f"on one (data.train)")
         missing = [k for k in now if k != "stream_name" and k not in saved]
         if missing:
             raise DataError(f"{where}: the saved data state lacks {missing}")
