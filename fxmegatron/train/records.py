@@ -35,14 +35,34 @@ def _strings(batches, path: str, field: str, typ) -> Iterator[str]:
             row += 1
 
 
-def parquet_texts(path: str, field: str) -> Iterator[str]:
-    """The ``field`` column of every row of a Parquet file, in row order."""
+def _parquet(path: str):
+    """The Parquet file at ``path``, opened (a DataError if it is not one)."""
     pa = _need("pyarrow", "parquet")
     pq = _need("pyarrow.parquet", "parquet")
     try:
-        f = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+
+
+def _dataset(path: str):
+    """The ``Dataset.save_to_disk`` folder at ``path``, loaded. A ``DatasetDict`` folder is
+    refused: which split trains and which validates is the user's choice, made by naming the
+    split's folder (``PATH/train``), which is itself a Dataset's."""
+    datasets = _need("datasets", "hf_dataset")
+    try:
+        ds = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise DataError(f"{path}: not a folder written by datasets' save_to_disk ({e})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        raise DataError(f"{path}: a DatasetDict of splits {sorted(ds)}: give the folder of one split, e.g. "
+                        f"{path}/{sorted(ds)[0]}, in data.train (and another in data.valid)")
+    return ds
+
+
+def parquet_texts(path: str, field: str) -> Iterator[str]:
+    """The ``field`` column of every row of a Parquet file, in row order."""
+    f = _parquet(path)
     schema = f.schema_arrow
     if field not in schema.names:
         raise DataError(f"{path}: no column {field!r} (data.text_field); it has {schema.names}")
@@ -52,17 +72,8 @@ def parquet_texts(path: str, field: str) -> Iterator[str]:
 
 
 def dataset_texts(path: str, field: str) -> Iterator[str]:
-    """The ``field`` of every row of a ``Dataset.save_to_disk`` folder, in row order. A
-    ``DatasetDict`` folder is refused: which split trains and which validates is the user's
-    choice, made by naming the split's folder (``PATH/train``), which is itself a Dataset's."""
-    datasets = _need("datasets", "hf_dataset")
-    try:
-        ds = datasets.load_from_disk(path)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise DataError(f"{path}: not a folder written by datasets' save_to_disk ({e})") from e
-    if isinstance(ds, datasets.DatasetDict):
-        raise DataError(f"{path}: a DatasetDict of splits {sorted(ds)}: give the folder of one split, e.g. "
-                        f"{path}/{sorted(ds)[0]}, in data.train (and another in data.valid)")
+    """The ``field`` of every row of a ``Dataset.save_to_disk`` folder, in row order."""
+    ds = _dataset(path)
     if field not in ds.column_names:
         raise DataError(f"{path}: no column {field!r} (data.text_field); it has {ds.column_names}")
     typ = ds.features[field]
@@ -72,29 +83,14 @@ def dataset_texts(path: str, field: str) -> Iterator[str]:
 
 def parquet_rows(path: str) -> Iterator[tuple]:
     """``(where, row)`` of every row of a Parquet file as a dict of its columns, in row order."""
-    pa = _need("pyarrow", "parquet")
-    pq = _need("pyarrow.parquet", "parquet")
-    try:
-        f = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
     row = 0
-    for batch in f.iter_batches(batch_size=_BATCH_ROWS):
+    for batch in _parquet(path).iter_batches(batch_size=_BATCH_ROWS):
         for rec in batch.to_pylist():
             yield f"{path}: row {row}", rec
             row += 1
 
 
 def dataset_rows(path: str) -> Iterator[tuple]:
-    """``(where, row)`` of every row of a ``Dataset.save_to_disk`` folder, in row order (a
-    ``DatasetDict`` refused as ``dataset_texts`` refuses it)."""
-    datasets = _need("datasets", "hf_dataset")
-    try:
-        ds = datasets.load_from_disk(path)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise DataError(f"{path}: not a folder written by datasets' save_to_disk ({e})") from e
-    if isinstance(ds, datasets.DatasetDict):
-        raise DataError(f"{path}: a DatasetDict of splits {sorted(ds)}: give the folder of one split, e.g. "
-                        f"{path}/{sorted(ds)[0]}, in data.train (and another in data.valid)")
-    for row, rec in enumerate(ds):
+    """``(where, row)`` of every row of a ``Dataset.save_to_disk`` folder, in row order."""
+    for row, rec in enumerate(_dataset(path)):
         yield f"{path}: row {row}", rec
