@@ -27,7 +27,9 @@ does; ``-hfloss``: HF's own loss, which copies the logits to fp32 first). ``-all
 passed around (``set_rotate_method``) instead of its default all-gather; ``-compile``: decoder
 layers compiled; fx ``-zero1``: the optimizer's state sharded over the cp ranks
 (``dp_shard="optimizer"``: gradients reduce-scattered, AdamW on each rank's half, parameters
-all-gathered) instead of all-reduced gradients and a whole optimizer per rank. torch 2.11 and 2.13 share this API (2.13 falls back to an unbalanced cut when
+all-gathered) instead of all-reduced gradients and a whole optimizer per rank; fx ``-zero3``:
+``dp_shard="full"`` over the cp ranks (compiled on GPUs, its gathers and reduce-scatters are graph
+nodes that inductor's overlap scheduler places under the compute). torch 2.11 and 2.13 share this API (2.13 falls back to an unbalanced cut when
 2·cp does not divide s; 2.11 cannot: 2·cp must divide every --seq here).
 
 Per row and --seq: step ms (median of the --steps timed steps, each the slowest rank's, rounds
@@ -106,11 +108,12 @@ class Layout:
     compile: bool = False
     m: int = 1                  # microbatches (run_layout records them)
     hf_loss: bool = False       # torch: HF's own loss (its fp32 copy of the logits) instead of the compiled one
-    zero1: bool = False         # fx -zero1: the optimizer's state sharded over the cp ranks (dp_shard="optimizer")
+    dp_shard: str = "none"      # fx -zero1 / -zero3: dp_shard "optimizer" / "full" over the cp ranks
 
     @property
     def label(self) -> str:
-        tail = (", compiled" if self.compile else "") + (", optimizer sharded (ZeRO-1)" if self.zero1 else "")
+        tail = (", compiled" if self.compile else "") + {"none": "", "optimizer": ", optimizer sharded (ZeRO-1)",
+                                                          "full": ", fully sharded (ZeRO-3)"}[self.dp_shard]
         if self.kind == "torch":
             return (f"torch context_parallel cp {self.cp}, kv by {self.attention}, model replicated (DDP)"
                     + (", decoder layers compiled" if self.compile else "")
@@ -143,8 +146,10 @@ def parse_layout(name: str, cp_recompute: str, world: int) -> Layout:
             lay.attention = t
         elif t in ("none", "selective", "full"):
             recompute = t
-        elif t in ("sp", "compile", "zero1"):
+        elif t in ("sp", "compile"):
             setattr(lay, t, True)
+        elif t in ("zero1", "zero3"):
+            lay.dp_shard = "optimizer" if t == "zero1" else "full"
         else:
             raise ValueError(f"layout {name!r}: unknown part {t!r}")
     if (lay.cp > 1) == (lay.tp > 1):
@@ -172,7 +177,7 @@ def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):
     mesh = meshes(cp=lay.cp) if lay.cp > 1 else meshes(tp=lay.tp)
     pm = fxmegatron.parallelize(spec.meta(dtype), mesh, batch, sequence_parallel=lay.sp, recompute=lay.recompute,
                                 compile=lay.compile, cp_attention=lay.attention, state_dict=ref_state,
-                                dp_shard="optimizer" if lay.zero1 else "none")
+                                dp_shard=lay.dp_shard)
     params = list(pm.parameters())
     return Job(params, lambda: pm.train_step(batch), pm.grad_norm,
                lambda n: scale_grads_(params, clip_coefficient(n, 1.0)), [pm], pm.adamw)

@@ -59,7 +59,9 @@ def test_layout_names_and_refusals():
     lay = parse_layout("fx-tp2-sp-full", "selective", 2)
     assert (lay.tp, lay.sp, lay.recompute) == (2, True, "full")
     lay = parse_layout("fx-cp2-ring-compile-zero1", "none", 2)
-    assert (lay.compile, lay.zero1) == (True, True) and "optimizer sharded" in lay.label
+    assert (lay.compile, lay.dp_shard) == (True, "optimizer") and "optimizer sharded" in lay.label
+    lay = parse_layout("fx-cp2-ring-compile-zero3", "none", 2)
+    assert lay.dp_shard == "full" and "fully sharded" in lay.label
     lay = parse_layout("torch-cp-alltoall-compile", "none", 2)
     assert (lay.kind, lay.cp, lay.attention, lay.compile) == ("torch", 2, "alltoall", True)
     for bad in ("fx-cp2-tp2", "fx-ring", "torch-cp-ring", "native-tp2"):
