@@ -49,6 +49,9 @@ def test_defaults_and_paths():
     (base(layout={"cp": 0}), "layout.cp = 0 must be >= 1"),
     (base(layout={"cp": 2, "cp_attention": "p2p"}), "layout.cp_attention = 'p2p' is not one of"),
     (base(data={"train": [TINY, 3]}), "data.train must be a path or a list of paths"),
+    (base(layout={"compile": "fast"}), "layout.compile = 'fast' is not one of False, True, 'default', "
+                                       "'reduce-overhead'"),
+    (base(layout={"compile": 1}), "layout.compile = 1 must be bool or str"),
 ])
 def test_bad_keys_name_the_key(raw, message):
     with pytest.raises(ConfigError) as e:
@@ -72,6 +75,22 @@ def test_bad_layouts_and_files(raw, world, message):
     with pytest.raises(ConfigError) as e:
         check(raw, world)
     assert message in str(e.value), str(e.value)
+
+
+def test_compile_takes_torch_compile_s_modes(tmp_path):
+    import torch._inductor
+    from fxmegatron.train.loop import layout_line
+    from fxmegatron.train.setup import layout_of
+    modes = set(torch._inductor.list_mode_options())
+    assert {c for c in config.COMPILE_CHOICES if isinstance(c, str)} <= modes, modes
+    cfg = check(base(layout={"compile": "reduce-overhead", "tp": 2}), world=2)
+    assert layout_of(cfg).compile == "reduce-overhead"
+    assert layout_line(cfg).endswith(", compile=reduce-overhead"), layout_line(cfg)
+    assert layout_line(check(base(layout={"compile": True}))).endswith(", compile")
+    p = tmp_path / "c.toml"
+    p.write_text(f'[run]\nsteps = 3\n[data]\ntrain = "{TINY}"\nseq_len = 16\nglobal_batch = 4\n')
+    assert config.load(str(p), ["layout.compile=max-autotune"]).layout.compile == "max-autotune"
+    assert config.load(str(p), ["layout.compile=true"]).layout.compile is True
 
 
 def test_overrides_and_toml(tmp_path):

@@ -50,6 +50,8 @@ def _k(section, name, types, default, doc, choices=None, minimum=None):
 
 
 STR, INT, FLOAT, BOOL, LIST = str, int, (int, float), bool, (str, list)
+# layout.compile: a bool or one of torch.compile's mode names (torch._inductor.list_mode_options)
+COMPILE_CHOICES = (False, True, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 INTS = (list,)          # a list of whole numbers
 NAMES = (list, str)     # a name or a list of strings (not LIST: no paths)
 TABLES = (list, tuple)  # a list of tables (TOML never gives tuples: the pair only tells it apart from INTS)
@@ -138,7 +140,9 @@ KEYS: List[Key] = [
     _k("layout", "schedule", STR, "", "gpipe, 1f1b or interleaved (empty: 1f1b, interleaved with "
        "virtual_stages > 1)", choices=("",) + SCHEDULE_NAMES),
     _k("layout", "fuse", BOOL, False, "fxmegatron's generated Triton kernels for elementwise chains"),
-    _k("layout", "compile", BOOL, False, "torch.compile each rank's graph (not with fuse)"),
+    _k("layout", "compile", (bool, str), False, "torch.compile each rank's graph (not with fuse): true, or one of "
+       "torch.compile's modes (reduce-overhead: CUDA graphs, which FP8 at tp >= 2 needs to pay, docs/FP8.md)",
+       choices=COMPILE_CHOICES),
     _k("layout", "tp_comm_overlap", INT, 0, "with sequence_parallel: cut each tensor-parallel all-gather and "
        "reduce-scatter into this many pieces overlapped with the matmuls (0: off; GPU)", minimum=0),
     _k("layout", "overlap", INT, 0, "the first name of tp_comm_overlap, still read (give one of the two)",

@@ -41,8 +41,9 @@ def layout_line(cfg) -> str:
         s += f" ({sched}, v={lay.virtual_stages})"
     s += f", m={lay.microbatches}"
     overlap = lay.tp_comm_overlap or lay.overlap
+    compiled = "compile" if lay.compile is True else f"compile={lay.compile}"
     for flag, text in ((lay.sequence_parallel, "SP"), (lay.recompute != "none", f"recompute={lay.recompute}"),
-                       (lay.fuse, "fuse"), (lay.compile, "compile"), (overlap, f"overlap={overlap}")):
+                       (lay.fuse, "fuse"), (lay.compile, compiled), (overlap, f"overlap={overlap}")):
         if flag:
             s += f", {text}"
     return s
