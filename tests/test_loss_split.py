@@ -27,7 +27,7 @@ def _close(pm, model, b, loss):
 
 @pytest.mark.parametrize("name", sorted(MOE))
 def test_router_loss_is_refused_by_name_when_the_batch_is_split(name):
-    with pytest.raises(LossError, match=r"node add_ \(aten\.add_\) at the top level .*router_aux_loss_coef \* "
+    with pytest.raises(LossError, match=r"node add_\w* \(aten\.add_\) at the top level .*router_aux_loss_coef \* "
                                         r"aux_loss.*model\.layers\.0\.\w+\.(gate|router).*output_router_logits=False"):
         fxmegatron.parallelize(MOE[name](True), None, moe_batch(0), microbatches=2)
     # the batch not split: the model's loss, router term included
@@ -41,6 +41,18 @@ def test_without_the_router_loss_two_microbatches_are_the_whole_batch(name):
     model, b = MOE[name](False), moe_batch(1)
     pm = fxmegatron.parallelize(copy.deepcopy(model), None, b, microbatches=2)
     _close(pm, model, b, pm.train_step(b))
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_router_loss_at_tp2_is_the_model_s_and_split_by_pp2_tp2_named(name):
+    """Tensor parallelism does not split the batch: the router's loss keeps its value (the router
+    replicated, the experts split); pp2 × tp2 with 2 microbatches does split it, and verify names
+    the term (parallelize refuses it: the tests above)."""
+    report = fxmegatron.verify(MOE[name](True), moe_batch(1), tp=2)
+    assert abs(report.loss - report.loss_ref) <= 1e-5 * abs(report.loss_ref), report
+    assert report.max_grad_err < 1e-4, report
+    with pytest.raises(VerificationError, match=r"verify tp=2 pp=2 m=2 .*not additive over microbatches"):
+        fxmegatron.verify(MOE[name](True), moe_batch(0), tp=2, pp=2, microbatches=2)
 
 
 def test_verify_names_the_term_that_is_not_additive():

@@ -32,6 +32,20 @@ def granite_moe(router_loss=True, **kw):
     return transformers.GraniteMoeForCausalLM(cfg).float().train()
 
 
+def gpt_oss(router_loss=True, **kw):
+    """gpt-oss-style: top-k then softmax over the chosen logits, biased experts, attention sinks;
+    its load-balancing loss added the same way."""
+    import transformers
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], output_router_logits=router_loss,
+        router_aux_loss_coef=0.1, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=0,
+        use_cache=False, **kw)
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(cfg).float().train()
+
+
 def mixtral_jitter():
     """Mixtral with router jitter: in train mode the router's input is multiplied by uniform noise."""
     import transformers
@@ -43,7 +57,7 @@ def mixtral_jitter():
     return transformers.MixtralForCausalLM(cfg).float().train()
 
 
-MOE = {"qwen3_moe": qwen3_moe, "granite_moe": granite_moe}
+MOE = {"qwen3_moe": qwen3_moe, "granite_moe": granite_moe, "gpt_oss": gpt_oss}
 
 
 def moe_batch(seed=0, rows=4, seq=8):
