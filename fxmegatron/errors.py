@@ -98,3 +98,9 @@ class ExportError(FxMegatronError, RuntimeError):
 class PrecisionError(FxMegatronError, ValueError):
     """A low-precision (FP8) option that does not fit: an unknown recipe or policy, a policy
     that selects no linear layer, a GPU without FP8 matmuls."""
+
+
+class ExpertParallelError(ShardingError):
+    """A mixture-of-experts computation that expert parallelism cannot follow or split: names
+    the module path, the step of the walk that failed and what it requires, and the nodes seen
+    along the walk (or the number of experts that ep does not divide)."""
