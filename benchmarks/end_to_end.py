@@ -167,9 +167,14 @@ NCCL kernel running and no compute kernel), pipeline bubble (an NCCL send/recv k
 running and no compute kernel) and idle (the step's wall time minus the union of all
 kernels), printed in ms and in % of the profiled step's wall time (which the profiler
 makes somewhat longer than the median step). CPU runs profile too (--profile-dir writes
-their traces) but have no kernels, so the breakdown is left empty. --json writes every row
-(``optimizer``, ``model_ms``, ``optim_ms`` and their per-step lists among its fields) and the
-model's shapes, parameter counts and F.
+their traces) but have no kernels, so the breakdown is left empty. After the table a
+``compile:`` line per row: torch.compile's graph breaks (the first 3 reasons), recompilations
+and graphs compiled during the row's build and steps (dynamo's counters, the max over ranks,
+the last round's; e2e/compile_stats.py), and the SDPA backend that the profiled step's op and
+kernel names show (``not profiled`` with --no-profile or --interleave). --json writes every row (``optimizer``,
+``model_ms``, ``optim_ms`` and their per-step lists, ``graph_breaks``, ``graph_break_reasons``,
+``recompilations``, ``graphs_compiled``, ``sdpa_backend`` among its fields) and the model's
+shapes, parameter counts and F.
 
 ``--check`` (float32) trains the plain model for the first two steps (with the run's
 optimizer) and compares every layout's first two losses and first gradient norm (before
@@ -193,8 +198,8 @@ copies: 39 tensors per microbatch instead of 1).
 This script parses the arguments and runs the rounds; the parts are in benchmarks/e2e/:
 models (the model, its batch, loss and FLOPs), layouts (the names above), optimizers and
 master_weights (--optimizer), builders and hf_builders (each framework's model), measure
-(timing, memory), interleave (--interleave: the layouts alternated step by step), profiling
-(the breakdown), report (the table, the --check, --json).
+(timing, memory), compile_stats (torch.compile's counts), interleave (--interleave: the layouts
+alternated step by step), profiling (the breakdown), report (the table, the --check, --json).
 """
 from __future__ import annotations
 
@@ -216,8 +221,8 @@ from e2e.measure import matmul_tflops, merge_rounds, run_guarded  # noqa: E402
 from e2e.models import HF_MODELS, MODEL_NAMES, build_spec  # noqa: E402
 from e2e.optimizers import OPTIMIZERS  # noqa: E402
 from e2e.interleave import run_interleaved  # noqa: E402
-from e2e.report import (CHECK_RTOL, check_rows, print_header, print_paired, print_round,  # noqa: E402
-                        print_rounds, print_table, write_json)
+from e2e.report import (CHECK_RTOL, check_rows, print_compile, print_header, print_paired,  # noqa: E402
+                        print_round, print_rounds, print_table, write_json)
 
 from fxmegatron.runtime.distributed import init_from_env, make_mesh, read_env  # noqa: E402
 
@@ -418,6 +423,7 @@ def bench(args, spec, layouts, env, launcher):
         print_table(rows)
         print_rounds(rows)
         print_paired(rows)
+        print_compile(rows)
     if args.check:
         failed_check = check_rows(rows, ref_losses, ref_norm, lead)
     if lead and args.json:

@@ -5,7 +5,8 @@ must both be exact, so the GPU table compares equal programs; compile=True at tp
 pp2 as well; the same for an unmodified Hugging Face Llama (its own loss, labels = ids),
 eager, torch.compile, fxmegatron, and native TP with torchtitan's plan on HF's names. Every
 row trains with the run's optimizer (--optimizer, FusedAdamW by default), and the model and
-optimizer phases are timed apart. The FLOPs formula reproduces the old GPT closed form."""
+optimizer phases are timed apart. The FLOPs formula reproduces the old GPT closed form. Each
+row counts its own torch.compile graphs (tests/test_end_to_end_compile_stats.py: the rest)."""
 import json
 import os
 import subprocess
@@ -124,6 +125,10 @@ def test_hf_llama_eager_compile_fx_match_the_plain_model(tmp_path):
     data = json.load(open(path))
     assert data["model"]["config"]["model_type"] == "llama" and data["model"]["tied"]
     assert {r["optimizer"] for r in data["rows"]} == {"FusedAdamW"}
+    # each row its own counts: fx (uncompiled) runs after the compiled rows and reports none
+    counts = {r["layout"]: (r["graph_breaks"], r["recompilations"], r["graphs_compiled"]) for r in data["rows"]}
+    assert counts["eager"] == counts["fx"] == (0, 0, 0) and counts["compile"][2] >= 1, counts
+    assert "compile: fx: 0 graph breaks, 0 recompilations, 0 graphs; SDPA: not profiled" in out.stdout
 
 
 def test_without_check_the_fx_rows_start_from_the_hf_models_own_weights(tmp_path):
@@ -389,3 +394,4 @@ def test_an_aa_copy_and_hybrid_sharding_in_layout_names():
     assert check_layout(parse_layout("fx-dp4-zero3-rep2", 8), 4, spec) is None
     assert "-rep2 (hybrid sharding)" in check_layout(parse_layout("fx-dp4-rep2", 8), 4, spec)
     assert "-rep3 (hybrid sharding)" in check_layout(parse_layout("fx-dp4-zero1-rep3", 8), 4, spec)
+

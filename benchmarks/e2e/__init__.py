@@ -2,7 +2,8 @@
 it measures): ``models`` is the model (GPT or Hugging Face), its batch, loss and FLOPs,
 ``layouts`` reads the layout names, ``optimizers`` the run's optimizer (``master_weights``
 the torch one), ``builders`` (and ``hf_builders``) build each framework's model,
-``measure`` times a layout, ``profiling`` splits a profiled step into compute,
+``measure`` times a layout, ``compile_stats`` counts its torch.compile graph breaks,
+recompilations and graphs, ``profiling`` splits a profiled step into compute,
 communication, bubble and idle, ``report`` prints the table and the --check."""
 import os
 import sys

@@ -1,6 +1,7 @@
 """Running one layout: build it, warm up, time the steps (a step's time is the slowest
 rank's) and each step's model and optimizer phases apart, measure peak memory, profile one
-more step; every rank learns whether any failed. Also the rates that follow from a step time
+more step, count what torch.compile did meanwhile (e2e/compile_stats.py); every rank learns
+whether any failed. Also the rates that follow from a step time
 and the bf16 matmul that MFU is taken against."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from e2e.builders import BUILDERS
+from e2e.compile_stats import CompileStats, over_ranks
 from e2e.master_weights import full_tensor
 from e2e.optimizers import OPTIMIZERS, make_optimizer
 from e2e.profiling import profiled_step, sync
@@ -40,8 +42,8 @@ def median(xs):
 
 def merge_rounds(rows, spec, world, peak_tflops):
     """One row from a layout's rounds: the median over all their timed steps (step, model and
-    optimizer phase alike), the last round's profile, losses and memory; each round's own median
-    in ``step_ms_rounds``."""
+    optimizer phase alike), the last round's profile, losses, memory and compile counts (each
+    round builds and compiles the layout afresh); each round's own median in ``step_ms_rounds``."""
     if len(rows) == 1 or any("error" in r for r in rows):
         return next((r for r in rows if "error" in r), rows[-1])
     row = dict(rows[-1])
@@ -95,19 +97,24 @@ def slowest_rank(times, dev):
 
 
 class LayoutRun:
-    """One layout built and ready to step: its job, optimizer, losses, gradient norms and timed
-    steps (``times``, each the slowest rank's, in the order they ran)."""
+    """One layout built and ready to step: its job, optimizer, losses, gradient norms, timed
+    steps (``times``, each the slowest rank's, in the order they ran) and ``compiles``, what
+    torch.compile did in this layout's own spans (enter it around any other step run)."""
 
     def __init__(self, lay, spec, args, dev, dtype, batch, meshes, ref_state, builders=None):
         self.lay, self.args, self.dev = lay, args, dev
+        self.compiles = CompileStats()
         t0 = time.perf_counter()
-        self.job = (builders or BUILDERS)[lay.kind](lay, spec, dev, dtype, batch, meshes=meshes, ref_state=ref_state)
+        with self.compiles:
+            self.job = (builders or BUILDERS)[lay.kind](lay, spec, dev, dtype, batch, meshes=meshes,
+                                                        ref_state=ref_state)
         self.build_s = time.perf_counter() - t0
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        self.opt, self.optim_step = make_optimizer(args.optimizer, self.job, args.lr, dev)
+        with self.compiles:
+            self.opt, self.optim_step = make_optimizer(args.optimizer, self.job, args.lr, dev)
         self.norms, self.clock, self.losses, self.warmup_s = [], PhaseClock(dev), [], 0.0
         self.times, self.starts = [], []
 
@@ -124,25 +131,28 @@ class LayoutRun:
 
     def warmup(self, n):
         t0 = time.perf_counter()
-        for _ in range(n):
-            self.losses.append(self.step())
-        sync(self.dev)
+        with self.compiles:
+            for _ in range(n):
+                self.losses.append(self.step())
+            sync(self.dev)
         self.warmup_s = time.perf_counter() - t0
 
     def timed_step(self):
         """One step between a synchronize and a barrier before and a synchronize after; its wall
         time goes to ``times`` (this rank's until ``row`` takes the slowest rank's)."""
-        sync(self.dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        self.losses.append(self.step(timed=True))
-        sync(self.dev)
-        self.times.append(time.perf_counter() - t0)
+        with self.compiles:     # its snapshots outside the timed span
+            sync(self.dev)
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.losses.append(self.step(timed=True))
+            sync(self.dev)
+            self.times.append(time.perf_counter() - t0)
         self.starts.append(t0)
 
     def row(self, spec, peak_tflops, prof=None, peak_memory=True):
-        """The layout's row from its timed steps; ``peak_memory=False`` leaves the peak out (when
-        other layouts' tensors share the GPU)."""
+        """The layout's row from its timed steps, with what torch.compile did (``over_ranks``) and
+        the profile's ``prof`` (``sdpa_backend`` "not profiled" without); ``peak_memory=False``
+        leaves the peak out (when other layouts' tensors share the GPU)."""
         dev = self.dev
         self.clock.collect()
         in_order = slowest_rank(self.times, dev)
@@ -163,7 +173,8 @@ class LayoutRun:
                "step_ms_all": [t * 1e3 for t in times], "step_ms_in_order": [t * 1e3 for t in in_order],
                "step_starts_s": list(self.starts),
                "model_ms_all": model_ms, "optim_ms_all": optim_ms,
-               "microbatches": lay.m, "layout_spec": asdict(lay)}
+               "microbatches": lay.m, "layout_spec": asdict(lay),
+               **over_ranks(self.compiles.fields()), "sdpa_backend": "not profiled"}
         if prof:
             row.update(prof)
         return row
@@ -181,7 +192,8 @@ def run_layout(lay, spec, args, dev, dtype, batch, meshes, ref_state, peak_tflop
         run.timed_step()
     prof = None
     if profile and not args.no_profile:
-        prof = profiled_step(run.step, lay, args, dev, dist.get_rank())
+        with run.compiles:
+            prof = profiled_step(run.step, lay, args, dev, dist.get_rank())
     row = run.row(spec, peak_tflops, prof)
     run.close()
     return row

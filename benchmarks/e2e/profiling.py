@@ -2,7 +2,8 @@
 compute (the union of non-NCCL kernels), exposed communication (an NCCL collective and no
 compute), bubble (NCCL send/recv and no compute) and idle (no kernel); and where the kernel
 time goes by kind of work (``WORK``, from kernel names: a kernel's summed duration, so
-kernels that run side by side on two streams count twice)."""
+kernels that run side by side on two streams count twice); and the SDPA backend the step's
+attention ran on (``sdpa_backend``, from the op and kernel names, CPU runs too)."""
 from __future__ import annotations
 
 import json
@@ -88,6 +89,40 @@ def work_kind(name: str) -> str:
     return "elementwise"
 
 
+# SDPA's backends, in the order printed. Named from the aten ops on the profile's CPU side and the
+# GPU kernels, since a replayed CUDA graph shows kernels only and a CPU run ops only.
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "cpu-flash", "math")
+
+
+def sdpa_backend_of(name: str) -> Optional[str]:
+    """The SDPA backend an op or kernel name belongs to, or None."""
+    n = name.lower()
+    if "cudnn" in n and ("attention" in n or "sdpa" in n):
+        return "cudnn"      # checked first: cuDNN's kernels are named *_sdpa_*_flash_fprop_*
+    if "flash_attention_for_cpu" in n:
+        return "cpu-flash"
+    if any(w in n for w in ("flash_fwd", "flash_bwd", "flash_attention")):
+        return "flash"
+    if any(w in n for w in ("efficient_attention", "fmha_cutlass", "mem_eff")):
+        return "efficient"
+    if "_scaled_dot_product_attention_math" in n:
+        return "math"
+    return None
+
+
+def sdpa_backend(names) -> str:
+    """The backends the names show ("cudnn+flash": forward and backward on different ones);
+    "math" for fxmegatron's attention op with no fused kernel under it (its fallback); "none seen"
+    where nothing names SDPA (no attention, or a compiler decomposed it into matmuls)."""
+    names = list(names)
+    found = {sdpa_backend_of(n) for n in names} - {None}
+    if found:
+        return "+".join(b for b in SDPA_BACKENDS if b in found)
+    if any("fxmegatron::attention" in n for n in names):
+        return "math"
+    return "none seen"
+
+
 def breakdown(trace_events) -> Optional[Dict[str, float]]:
     """Compute / exposed communication / bubble / idle, in ms, of the step marked STEP_MARK
     in a chrome trace's events; None without GPU kernels (a CPU run)."""
@@ -123,7 +158,8 @@ def breakdown(trace_events) -> Optional[Dict[str, float]]:
 
 
 def profiled_step(step, lay, args, dev, rank):
-    """One more step; rank 0 runs it under torch.profiler, writes the trace and returns the breakdown.
+    """One more step; rank 0 runs it under torch.profiler, writes the trace and returns the breakdown
+    (none on CPU) and ``sdpa_backend``.
     With ``--profile-dir`` every rank runs it under the profiler and writes its trace (to see
     which rank another waits for); rank 0's breakdown is still the one returned."""
     if rank != 0 and not args.profile_dir:
@@ -157,7 +193,7 @@ def profiled_step(step, lay, args, dev, rank):
         if not args.profile_dir:
             os.unlink(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    out = breakdown(events)
+    out = dict(breakdown(events) or {}, sdpa_backend=sdpa_backend(e.get("name", "") for e in events))
     if args.profile_dir:
-        out = dict(out or {}, trace=path)
+        out["trace"] = path
     return out

@@ -1,6 +1,6 @@
-"""What rank 0 prints: the run's header, a line per layout and round, the table, and the
---check of every layout's first losses and gradient norm against the plain model's; and
-the --json file."""
+"""What rank 0 prints: the run's header, a line per layout and round, the table, a line per
+row of what torch.compile did, and the --check of every layout's first losses and gradient
+norm against the plain model's; and the --json file."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from e2e.compile_stats import describe
 from e2e.optimizers import OPTIMIZERS
 
 CHECK_RTOL = 1e-4
@@ -98,6 +99,14 @@ def print_paired(rows):
             mid, lo, hi = r["paired"]
             print(f"  {r['layout']}: paired with {r['paired_with']} step by step, {r['paired_with']}'s time / this "
                   f"row's: median {mid:.4f} (middle half {lo:.4f}-{hi:.4f}, {len(r['step_ms_in_order'])} passes)")
+
+
+def print_compile(rows):
+    """A line per row: torch.compile's graph breaks (the first reasons), recompilations and graphs,
+    and the SDPA backend of the profiled step."""
+    for r in rows:
+        if "graph_breaks" in r:
+            print(describe(r))
 
 
 def check_rows(rows, ref_losses, ref_norm, lead):
