@@ -78,3 +78,8 @@ def test_deepseek_v3_multi_head_latent_attention_is_exact(layout):
     model, batch = _deepseek()
     report = fxmegatron.verify(model, batch, **layout)
     assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * abs(report.loss_ref)
+    # the up-projection of the keys and values is split by heads (column-parallel, as Megatron's
+    # MLA): the shared rotary key beside the heads' keys is this rank's slice, not a reason to
+    # keep kv_b_proj whole; the low-rank down-projections stay whole (their norms are over all)
+    replicated = [where for where, _, _ in report.coverage.replicated]
+    assert not any("kv_b_proj" in w for w in replicated), report.coverage.summary(10)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fxmegatron.passes.tensor_parallel.nodes import norm, val, where
-from fxmegatron.passes.tensor_parallel.plan import SLICE
+from fxmegatron.passes.tensor_parallel.plan import SLICE, SPLIT
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
 from fxmegatron.passes.tensor_parallel.rules.registry import register
 from fxmegatron.placement import Partial, R, Replicate, Shard
@@ -142,13 +142,20 @@ def cat(view, node):
 def _matched(view, a, p, d, node) -> bool:
     """Whether input ``a`` of a cat whose other inputs are split along ``d`` can be too: it is,
     or it is a parameter no rule has claimed (claimed split along ``d``: gpt-oss's attention
-    sinks, one per head, beside the heads' scores), or a constant (sliced locally)."""
+    sinks, one per head, beside the heads' scores), or a constant (sliced locally), or a whole
+    activation (split: this rank's slice forward, the gradient all-gathered backward)."""
     if isinstance(p, Shard):
         return True
     if p is None:
         return view.claim(a, Shard(d), where(node))
     if isinstance(p, Replicate) and a not in view.needs_grad and a not in view.free:
         view.add(SLICE, a, node, d)
+        return True
+    if isinstance(p, Replicate) and a in view.needs_grad and a not in view.free:
+        # a whole activation beside head-split ones (multi-head latent attention's shared rotary
+        # key, expanded to every head, joined to the heads' own keys): this rank's slice,
+        # its gradient all-gathered in the backward (split_seq)
+        view.add(SPLIT, a, node, d)
         return True
     return False
 
