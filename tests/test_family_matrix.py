@@ -43,7 +43,7 @@ def test_pipeline_cell_pp2_tp2_is_exact_or_refused(name):
     assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * abs(report.loss_ref)
 
 
-GLOO = ["falcon", "gemma2", "qwen2_moe", "gpt_bigcode", "opt"]
+GLOO = ["falcon", "gemma2", "qwen2_moe", "gpt_bigcode", "opt", "olmo2"]
 
 
 def gloo_steps(rank, world, name, sp):

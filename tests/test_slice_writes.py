@@ -83,3 +83,5 @@ def test_deepseek_v3_multi_head_latent_attention_is_exact(layout):
     # keep kv_b_proj whole; the low-rank down-projections stay whole (their norms are over all)
     replicated = [where for where, _, _ in report.coverage.replicated]
     assert not any("kv_b_proj" in w for w in replicated), report.coverage.summary(10)
+    why = {w: r for w, _, r in report.coverage.replicated}
+    assert any("q_a_proj" in w and "down-projection" in r for w, r in why.items()), report.coverage.summary(10)

@@ -21,7 +21,7 @@ from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_pa
 from fxmegatron.passes.redistribute import Site, find, insert_edges
 from fxmegatron.passes.tensor_parallel.nodes import arg, packet
 from fxmegatron.passes.tensor_parallel.plan import TPPlan
-from fxmegatron.placement import PLACEMENTS, R, Shard, place, placed
+from fxmegatron.placement import PLACEMENTS, Partial, R, Shard, place, placed
 
 aten = torch.ops.aten
 
@@ -122,6 +122,13 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan: TPPlan, rank: int, group_nam
         decorate(src, new, R if e.forward.endswith("R") else Shard(e.dim))
         if e.forward.startswith("P->"):     # a row-parallel bias is added after the reduction
             new = with_bias(src, new, e.forward == "P->S")
+        plc = plan.node_plc.get(src)
+        if e.forward.startswith("P->") and isinstance(plc, Partial) and plc.op == "avg" and tp > 1:
+            # the ranks' means of equal parts summed: the whole mean is that sum / tp
+            with g.inserting_after(new):
+                avg = g.call_function(aten.div.Tensor, (new, tp))
+            decorate(new, avg, placed(new, "tp"), "reductions.mean (the ranks' means averaged)")
+            new = avg
         return new
 
     insert_edges(g, plan.edges(), lambda e: Site(rank, tp, group_name, e.dim), finish)

@@ -34,9 +34,11 @@ def gather(view: "View", a: fx.Node, consumer: fx.Node, into_column: bool = Fals
 
 def reduce_partial(view: "View", a: fx.Node, consumer: fx.Node) -> None:
     """Make a partial sum whole for an op that can run on sequence shards:
-    reduce-scatter along the sequence under sequence parallelism, else all-reduce (g)."""
+    reduce-scatter along the sequence under sequence parallelism, else all-reduce (g); a
+    partial average always all-reduced."""
     v = val(a)
-    if view.sp and v.ndim >= 3 and v.shape[-2] % view.tp == 0:
+    # a partial average (a mean over heads) is made whole where it is: its readers hold every token
+    if view.sp and v.ndim >= 3 and v.shape[-2] % view.tp == 0 and view.get(a).op == "sum":
         view.add(SCATTER, a, consumer, v.ndim - 2)
         view.bias_after_reduction_of(a)
     else:

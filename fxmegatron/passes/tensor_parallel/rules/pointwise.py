@@ -45,7 +45,7 @@ def pointwise(view, node):
     split = [a for a, _ in view.shard_inputs(node) if SEQ not in view.orig(a)]
     if partials and not view.shard_inputs(node) and pk in _KEEP_PARTIAL and len(partials) == 1:
         view.carry_bias(partials[0], node)
-        return view.set(node, Partial())
+        return view.set(node, view.get(partials[0]))     # a sum stays a sum, an average an average
     for a in partials:
         view.replicate(a, node) if split else reduce_partial(view, a, node)
     shards = view.shard_inputs(node)

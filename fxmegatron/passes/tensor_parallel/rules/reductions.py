@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fxmegatron.passes.tensor_parallel.nodes import norm, val, where
+from fxmegatron.passes.tensor_parallel.nodes import norm, packet, val, where
 from fxmegatron.passes.tensor_parallel.plan import SLICE, SPLIT
 from fxmegatron.passes.tensor_parallel.rules.opaque import replicate_all
 from fxmegatron.passes.tensor_parallel.rules.registry import register
@@ -37,12 +37,42 @@ def softmax(view, node):
     return view.set(node, p, origins)
 
 
+_MATMUL_INPUT = {aten.linear: 0, aten.mm: 0, aten.matmul: 0, aten.addmm: 1, aten.bmm: 0}
+_LOOKAHEAD = 16
+
+
+def _normalises_a_matmul_input(mean) -> bool:
+    """Whether what ``mean`` normalises reaches a matmul as its input (through elementwise ops,
+    casts and views, within _LOOKAHEAD ops): a low-rank down-projection's norm before the
+    up-projection (multi-head latent attention's q and kv). There the mean keeps its input
+    whole, so that the down-projection stays replicated and the up-projection column-parallel,
+    as Megatron splits it, rather than row-parallel with an all-reduce of every head."""
+    todo, seen = [mean], set()
+    while todo and len(seen) < _LOOKAHEAD:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            pk = packet(u)
+            i = _MATMUL_INPUT.get(pk)
+            if i is not None:
+                if len(u.args) > i and u.args[i] is n:
+                    return True
+                continue
+            if pk is aten.scaled_dot_product_attention:
+                continue
+            todo.append(u)
+    return False
+
+
 @register(aten.sum, aten.mean, aten.amax, aten.amin)
 def reduce(view, node):
     """Precondition: the split dim is not reduced (the split moves left past reduced dims
-    unless keepdim); otherwise the split's matmuls are demoted: the reduction needs every
-    rank's part (a norm over all heads of q, as OLMo2's, needs all of them), so it runs
-    whole."""
+    unless keepdim), or it is a ``mean`` over it without fused blocks (a norm over all heads
+    of q, as OLMo2's): each rank's mean of its equal part is a partial average,
+    ``Partial("avg")``. Otherwise the split's matmuls are demoted: the reduction needs every
+    rank's part, so it runs whole."""
     s = _split_input(view, node)
     if s is None:
         return view.outcome
@@ -51,6 +81,14 @@ def reduce(view, node):
     dims = list(range(nd)) if dims is None else [dims] if isinstance(dims, int) else list(dims)
     dims = [norm(i, nd) for i in dims]
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if d in dims and packet(node) is aten.mean and p.blocks is None:
+        if _normalises_a_matmul_input(node):
+            view.demote(origins, node, "takes a mean over the split dim of what then enters a matmul (a low-rank "
+                                        "down-projection's norm): the down-projection runs whole, the matmul after "
+                                        "the norm column-parallel")
+        # every rank's mean is over an equal part: the whole mean is their average, made whole
+        # where it is read (all-reduce, then / tp: ``rewrite``), as a norm over all heads needs
+        return view.set(node, Partial("avg"), origins)
     if d in dims:
         view.demote(origins, node, "reduces over the split dim (it needs the values of every rank, e.g. a norm "
                                     "over all heads): it runs on the whole tensor")
