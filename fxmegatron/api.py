@@ -29,7 +29,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                 state_dict: Optional[Mapping] = None, seed: int = 0, verbose: bool = False,
                 grad_accum_dtype: Optional[torch.dtype] = None, verify: bool = False, min_split: float = 0.5,
                 cp_attention: str = "ring", precision: str = "bf16", fp8_recipe: str = "tensorwise",
-                fp8_policy="all", dp_shard: str = "none", dp_replicate: int = 1,
+                fp8_policy="all", dp_shard: str = "none", dp_replicate: int = 1, ep: int = 1,
                 _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
@@ -97,6 +97,10 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     (dp-major: ranks 0..dp/R-1 of the dp dim are the first group); each shards over its own ranks
     (× cp) as ``dp_shard`` says, and the groups are replicas of each other, their reduced shards
     summed over the ``dp_replicate`` ranks that hold the same shard.
+    ``ep``: expert parallelism, folded onto the data-parallel ranks: each ``ep`` consecutive dp
+    ranks hold E/ep whole experts of every mixture-of-experts block (found from the graph's ops,
+    ``passes.expert_parallel``) and compute them for the tokens of all ``ep`` (the all-gather
+    dispatcher); expert gradients are summed over the dp / ep ranks that hold the same experts.
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
     matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """
@@ -107,8 +111,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                  tp_comm_transport=tp_comm_transport, state_dict=state_dict, seed=seed, verbose=verbose,
                  grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked,
                  cp_attention=cp_attention, precision=precision, fp8_recipe=fp8_recipe, fp8_policy=fp8_policy,
-                 dp_shard=dp_shard, dp_replicate=dp_replicate)
-    axes = mesh_axes(mesh, cfg.dp_replicate)
+                 dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
+    axes = mesh_axes(mesh, cfg.dp_replicate, cfg.ep)
     cfg = cfg.with_degrees(axes)
     cfg.make_schedule()
     device = runtime_device(mesh, model)

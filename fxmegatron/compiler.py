@@ -14,10 +14,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxmegatron.capture import Captured, capture
-from fxmegatron.errors import LossError, ScheduleError
+from fxmegatron.errors import LossError, ScheduleError, ShardingError
 from fxmegatron.layout import Layout
 from fxmegatron.lower.rank import build_rank
-from fxmegatron.lower.rank_passes import schedules_collectives
+from fxmegatron.lower.rank_passes import EXPERT_CUT, schedules_collectives
 from fxmegatron.lower.stages import token_counter
 from fxmegatron.lower.torch_compile import compile_graph
 from fxmegatron.mesh import Axis
@@ -44,13 +44,16 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
     ``verify`` and the dry-run plan take too."""
     cfg = cfg.with_degrees(axes)
     dp = axes["dp"]
+    if cfg.ep > 1 and axes.get("ep", Axis()).size != cfg.ep:
+        raise ShardingError(f"parallelize(ep={cfg.ep}): expert parallelism folds onto the data-parallel ranks, and "
+                            f"this mesh has {dp.size} (a mesh with a 'dp' dim of a multiple of {cfg.ep})")
     sched = cfg.make_schedule()
     split = cfg.microbatches > 1 or dp.size > 1
     check_split_loss(cap.gm, cfg.microbatches, dp.size)     # before the passes rewrite the loss
     check_ids = id_checker(cap.gm, cap.input_names, device)  # the whole vocabulary: before tp splits it
     timings = dict(timings or {})
-    coords = {n: axes[n].rank for n in ("dp", "pp", "cp", "tp", "dp_cp") if n in axes}
-    built = build_rank(cap, cfg, coords, device, {n: axes[n].group_name for n in ("tp", "cp", "dp_cp", "dp_replicate")
+    coords = {n: axes[n].rank for n in ("dp", "pp", "cp", "tp", "dp_cp", "ep") if n in axes}
+    built = build_rank(cap, cfg, coords, device, {n: axes[n].group_name for n in ("tp", "cp", "dp_cp", "dp_replicate", "ep")
                                                   if n in axes},
                        debug=debug)
     local, plan, placeholders = built.local, built.plan, built.placeholders
@@ -85,7 +88,8 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
         recompute=cfg.recompute_name, seed=cfg.seed, microbatches=cfg.microbatches, graph_module=gm,
         pipeline=pipe, replicated=dict(plan.replicated_params), planning_attempts=plan.attempts,
         count_tokens=count, token_count=counter, check_ids=check_ids, coverage=built.coverage,
-        notes=tuple(cap.notes), timings=timings, dp_shards=dict(local.meta.get(DP_SHARD, {})))
+        notes=tuple(cap.notes), timings=timings, dp_shards=dict(local.meta.get(DP_SHARD, {})),
+        experts=dict(local.meta[EXPERT_CUT][0]) if EXPERT_CUT in local.meta else {})
 
 
 def first_microbatch(batch, m: int, dp: int = 1):

@@ -89,6 +89,9 @@ class Layout:
     # hybrid sharding (HSDP): the dp ranks split into dp_replicate groups; each shards over its
     # dp / dp_replicate ranks (× cp) and the groups are replicas of each other
     dp_replicate: int = _f("option", 1)
+    # expert parallelism, folded onto dp: each ep consecutive dp ranks hold E/ep whole experts of
+    # every mixture-of-experts block and compute them for the tokens of all ep
+    ep: int = _f("option", 1)
 
     def __post_init__(self):
         for name in DEGREES:
@@ -138,6 +141,18 @@ class Layout:
         if self.dp_replicate > 1 and self.dp > 1 and self.dp % self.dp_replicate:
             raise ShardingError(f"parallelize(dp_replicate={self.dp_replicate}): the {self.dp} data-parallel ranks "
                                 f"do not split into {self.dp_replicate} equal groups")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ShardingError(f"parallelize(ep={self.ep!r}): a number of expert-parallel ranks >= 1")
+        if self.ep > 1 and self.dp > 1 and self.dp % self.ep:
+            raise ShardingError(f"parallelize(ep={self.ep}): expert parallelism folds onto the data-parallel ranks, "
+                                f"and the {self.dp} of them do not split into groups of {self.ep}")
+        if self.ep > 1:
+            other = [f"{n}={getattr(self, n)!r}" for n, off in (("cp", 1), ("dp_shard", "none"), ("dp_replicate", 1),
+                                                               ("precision", "bf16"), ("verify", False))
+                     if getattr(self, n) != off]
+            if other:
+                raise ShardingError(f"parallelize(ep={self.ep}, {', '.join(other)}): not built together yet (expert "
+                                    "parallelism is tested with tp, sp, pp, dp and microbatches): leave one out")
         if self.cp_attention not in CP_ATTENTIONS:
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:
@@ -154,7 +169,7 @@ class Layout:
     def from_mesh(cls, mesh, **options) -> "Layout":
         """From a DeviceMesh (None: one process) and ``parallelize``'s keywords."""
         from fxmegatron.mesh import mesh_axes
-        return cls.from_axes(mesh_axes(mesh, options.get("dp_replicate", 1)), **options)
+        return cls.from_axes(mesh_axes(mesh, options.get("dp_replicate", 1), options.get("ep", 1)), **options)
 
     def with_degrees(self, axes: Mapping[str, Any]) -> "Layout":
         """This layout with the degrees of ``axes`` (an Axis per mesh dim)."""

@@ -17,7 +17,7 @@ from fxmegatron.errors import MeshError
 
 KNOWN_DIMS = ("dp", "pp", "cp", "tp")
 SUPPORTED_DIMS = ("dp", "pp", "cp", "tp")
-ALL_AXES = ("dp", "tp", "pp", "cp", "dp_cp", "dp_replicate")
+ALL_AXES = ("dp", "tp", "pp", "cp", "dp_cp", "dp_replicate", "ep", "edp")
 MESH_ATTRS = ("mesh_dim_names", "shape", "size", "device_type")
 
 
@@ -38,11 +38,13 @@ class Axis:
         return _resolve_process_group(self.group_name)
 
 
-def mesh_axes(mesh, dp_replicate: int = 1) -> Dict[str, Axis]:
+def mesh_axes(mesh, dp_replicate: int = 1, ep: int = 1) -> Dict[str, Axis]:
     """{"dp": Axis, "pp": Axis, "cp": Axis, "tp": Axis, "dp_cp": Axis, "dp_replicate": Axis} from a
     DeviceMesh, after checking it ("dp_cp": the ranks that hold the same parameters and sum their
     gradients, or under ``dp_replicate`` > 1 the ranks of one replica group, which shard them;
-    "dp_replicate": the ranks that hold the same shard)."""
+    "dp_replicate": the ranks that hold the same shard). ``ep`` > 1: expert parallelism folded onto
+    dp, "ep" the ep consecutive dp ranks that share their experts, "edp" the dp / ep ranks that hold
+    the same experts (their gradients summed over them)."""
     if mesh is None:
         return {n: Axis() for n in ALL_AXES}
     # the tests' stand-ins (and any object with DeviceMesh's interface) pass; a device name,
@@ -68,6 +70,9 @@ def mesh_axes(mesh, dp_replicate: int = 1) -> Dict[str, Axis]:
     for n in ("dp", "tp", "pp", "cp"):
         axes[n] = _axis(mesh[n] if len(names) > 1 else mesh) if n in names else Axis()
     axes["dp_replicate"] = Axis()
+    axes["ep"], axes["edp"] = Axis(), axes["dp"]
+    if ep > 1:
+        _experts(mesh, names, axes, ep)
     if dp_replicate > 1:
         return _hybrid(mesh, names, axes, dp_replicate)
     both = [n for n in ("dp", "cp") if axes[n].size > 1]
@@ -97,16 +102,26 @@ def _hybrid(mesh, names, axes: Dict[str, Axis], replicate: int) -> Dict[str, Axi
     return axes
 
 
-def _split_mesh(mesh, names, replicate: int, shard: int) -> DeviceMesh:
+def _experts(mesh, names, axes: Dict[str, Axis], ep: int) -> None:
+    # the dp dim cut in (dp / ep, ep): ep consecutive dp ranks share their experts
+    dp = axes["dp"].size
+    if dp % ep:
+        raise MeshError(f"ep={ep}: expert parallelism folds onto the data-parallel ranks, and the mesh's dp dim "
+                        f"of {dp} does not split into groups of {ep}")
+    split = _split_mesh(mesh, names, dp // ep, ep, ("edp", "ep"))
+    axes["ep"], axes["edp"] = _axis(split["ep"]), _axis(split["edp"])
+
+
+def _split_mesh(mesh, names, outer: int, inner: int, dims=("dp_replicate", "dp_shard")) -> DeviceMesh:
     # kept on the user's mesh: every parallelize of it would otherwise create new process groups
     # (NCCL communicators, never freed), and the mesh's lifetime is theirs
     cache = getattr(mesh, "__dict__", {}).setdefault("_fxmegatron_hybrid", {})
-    if replicate not in cache:
+    key = (outer, dims)
+    if key not in cache:
         at = names.index("dp")
-        grid = mesh.mesh.reshape(*mesh.mesh.shape[:at], replicate, shard, *mesh.mesh.shape[at + 1:])
-        cache[replicate] = DeviceMesh(mesh.device_type, grid,
-                                      mesh_dim_names=names[:at] + ("dp_replicate", "dp_shard") + names[at + 1:])
-    return cache[replicate]
+        grid = mesh.mesh.reshape(*mesh.mesh.shape[:at], outer, inner, *mesh.mesh.shape[at + 1:])
+        cache[key] = DeviceMesh(mesh.device_type, grid, mesh_dim_names=names[:at] + dims + names[at + 1:])
+    return cache[key]
 
 
 def _axis(sub) -> Axis:

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.pipeline_split import Chunk, param_holders
-from fxmegatron.placement import Placement, Placements, R
+from fxmegatron.placement import Placement, Placements, R, Shard
 from fxmegatron.lower.stages import Stage
 from fxmegatron.schedules import Schedule
 from fxmegatron.schedules.runtime import TensorSpec
@@ -83,6 +83,7 @@ class RankProgram:
     notes: Tuple[str, ...] = ()                   # what capture changed
     timings: Mapping[str, float] = field(default_factory=dict)
     dp_shards: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)   # dp_shard="full": name -> local shape
+    experts: Mapping[str, int] = field(default_factory=dict)   # expert parallelism: name -> its experts dim
 
     def __post_init__(self):
         if (self.graph_module is None) == (self.pipeline is None):
@@ -92,9 +93,12 @@ class RankProgram:
         return self.placements.get(self.aliases.get(name, name), R)
 
     def param_layout(self, name: str) -> Placements:
-        """Parameter ``name``'s placement per mesh axis (split over tp only, today: every other
-        axis holds it whole, or not at all: pp)."""
-        return Placements.of(tp=self.placement(name))
+        """Parameter ``name``'s placement per mesh axis: over tp, and an expert weight's experts
+        dim over ep (every other axis holds it whole, or not at all: pp)."""
+        name = self.aliases.get(name, name)
+        ep = Shard(self.experts[name]) if name in self.experts and self.axes.get("ep") is not None \
+            and self.axes["ep"].size > 1 else None
+        return Placements.of(tp=self.placement(name), ep=ep)
 
     def coords(self) -> Dict[str, Tuple[int, int]]:
         """{axis: (this rank, the axis's size)}."""

@@ -10,6 +10,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -32,8 +33,16 @@ def _worker(rank, world, fn, args, tmp, backend="gloo", environ=None):
         result = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # report to the parent, which re-raises
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(f"{tmp}/result{rank}", "wb") as f:
+    with open(f"{tmp}/result{rank}.part", "wb") as f:
         pickle.dump(result, f)
+    os.rename(f"{tmp}/result{rank}.part", f"{tmp}/result{rank}")
+    # no process exits before every rank has its result: a rank that returns while a peer is still
+    # connecting a group to it (DeviceMesh builds gloo pairs lazily) closes the socket under that
+    # peer ("Connection closed by peer"). The rendezvous is on files, not on gloo, so a rank that
+    # failed mid-collective still gets here; a rank that died is seen by join, which ends the rest.
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not all(os.path.exists(f"{tmp}/result{r}") for r in range(world)):
+        time.sleep(0.01)
     # no destroy_process_group: after a pipeline failure a receive may still be pending, and
     # tearing gloo down under it aborts; the process ends here either way
     sys.stdout.flush()

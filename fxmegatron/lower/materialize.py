@@ -89,7 +89,7 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
                       params: Optional[Dict[str, torch.nn.Parameter]] = None,
                       groups: Optional[Mapping[str, str]] = None,
                       shards: Optional[Mapping[str, tuple]] = None, shard_world: int = 1,
-                      shard_rank: int = 0) -> fx.GraphModule:
+                      shard_rank: int = 0, experts: Optional[tuple] = None) -> fx.GraphModule:
     """``gm``'s graph with this rank's parameter shards, the buffers, constants and
     submodules it uses, on ``device`` ("meta": local shapes, no values). Constants are
     taken from ``source`` where it has them (the graph before it went to meta). ``params``
@@ -97,7 +97,10 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
     ``groups`` binds the passes' axis names ("@tp") to this job's process groups. ``shards``
     (``passes.dp_shard``'s names): each of those parameters is kept as rank ``shard_rank``'s
     shard of ``shard_world`` (``ops.dp_gather``); the digest of its whole local piece goes to
-    ``gm.meta[DIGESTS]``, for the check that every data-parallel replica built the same model."""
+    ``gm.meta[DIGESTS]``, for the check that every data-parallel replica built the same model.
+    ``experts``: (parameter -> experts dim, ep rank, ep) of expert parallelism: each of those
+    parameters keeps its rank's E/ep experts (after the tp cut); its whole local piece's digest
+    goes to ``DIGESTS`` as well."""
     params = {} if params is None else params
     shards = shards or {}
     root, digests = {}, {}
@@ -108,6 +111,9 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
                 if t not in params:
                     params[t] = local_parameter(t, cap.params[t], placements.get(t, R), rank, world,
                                                 device, state_dict, seed)
+                    if experts is not None and t in experts[0]:
+                        digests[t] = weight_digest(params[t])
+                        params[t] = expert_shard(params[t], experts[0][t], experts[1], experts[2])
                     if t in shards:
                         digests[t] = weight_digest(params[t])
                         params[t] = nn.Parameter(take_dp_shard(params[t], shard_world, shard_rank),
@@ -129,6 +135,13 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
     if digests:
         out.meta[DIGESTS] = digests
     return out
+
+
+def expert_shard(p: torch.nn.Parameter, dim: int, rank: int, world: int) -> torch.nn.Parameter:
+    """Rank ``rank``'s ``1/world`` of ``p`` along its experts dim ``dim`` (a copy: the whole is freed)."""
+    n = p.shape[dim] // world
+    piece = p.detach().narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
+    return torch.nn.Parameter(piece, requires_grad=p.requires_grad)
 
 
 def weight_digest(t: torch.Tensor) -> str:

@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from fxmegatron.capture import Captured
 from fxmegatron.lower.materialize import materialize_graph
-from fxmegatron.lower.rank_passes import CP_AXIS, COVERAGE, DP_AXIS, DP_REPLICATE_AXIS, PLAN, TP_AXIS, rank_passes
+from fxmegatron.lower.rank_passes import (CP_AXIS, COVERAGE, DP_AXIS, DP_REPLICATE_AXIS, EP_AXIS, EXPERT_CUT, PLAN,
+                                          TP_AXIS, rank_passes)
 from fxmegatron.passes.dp_shard import DP_SHARD
 from fxmegatron.lower.stages import Stage, boundary_specs, build_stage
 from fxmegatron.mesh import Axis
@@ -60,6 +61,10 @@ def rank_axes(layout, coords: Mapping[str, int], groups: Mapping[str, str]) -> D
     out["dp_cp"] = Axis(size, coords.get("dp_cp", dp % group_dp * layout.cp + coords.get("cp", 0)),
                         groups.get("dp_cp", ""), tuple(range(size)))
     out["dp_replicate"] = Axis(replicas, dp // group_dp, groups.get("dp_replicate", ""), tuple(range(replicas)))
+    # expert parallelism: ep consecutive dp ranks share their experts (``mesh.mesh_axes``)
+    ep = getattr(layout, "ep", 1)
+    out["ep"] = Axis(ep, coords.get("ep", dp % ep), groups.get("ep", ""), tuple(range(ep)))
+    out["edp"] = Axis(layout.dp // ep, dp // ep, groups.get("edp", ""), tuple(range(layout.dp // ep)))
     return out
 
 
@@ -84,11 +89,12 @@ def build_rank(cap: Captured, layout, coords: Mapping[str, int], device, groups:
     if device is None:
         build = []
     bound = {TP_AXIS: groups.get("tp", ""), CP_AXIS: groups.get("cp", ""), DP_AXIS: groups.get("dp_cp", ""),
-             DP_REPLICATE_AXIS: groups.get("dp_replicate", "")}
+             DP_REPLICATE_AXIS: groups.get("dp_replicate", ""), EP_AXIS: groups.get("ep", "")}
     # dp_shard="full": the parameters' shards over dp × cp (under dp_replicate, one replica group's
     # dp ranks × cp), whose ranks are dp-major
     shards = local.meta.get(DP_SHARD)
-    shard_at = dict(shards=shards, shard_world=axes["dp_cp"].size, shard_rank=axes["dp_cp"].rank)
+    shard_at = dict(shards=shards, shard_world=axes["dp_cp"].size, shard_rank=axes["dp_cp"].rank,
+                    experts=local.meta.get(EXPERT_CUT))
     tp, tp_rank = layout.tp, coords.get("tp", 0)
     t0 = time.perf_counter()
     if not layout.pipelined():

@@ -23,6 +23,8 @@ from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import apply_context_parallel
 from fxmegatron.passes.dp_shard import shard_parameters
 from fxmegatron.passes.dropout_rng import apply_counter_rng
+from fxmegatron.passes.expert_parallel import check_divisible, find_experts
+from fxmegatron.passes.expert_parallel.rewrite import apply_expert_parallel, check_supported, expert_params
 from fxmegatron.passes.fp8 import apply_fp8
 from fxmegatron.passes.fp8_gather import gather_in_fp8
 from fxmegatron.passes.fp8_share import share_fp8_quantization
@@ -46,6 +48,8 @@ TP_AXIS = "@tp"
 CP_AXIS = "@cp"
 DP_AXIS = "@dp"     # the ranks that sum gradients: dp, or dp × cp (``dp_shard="full"`` shards over them)
 DP_REPLICATE_AXIS = "@dp_replicate"    # under hybrid sharding: the ranks that hold the same shards
+EP_AXIS = "@ep"     # expert parallelism: the ranks that share their experts
+EXPERTS, EXPERT_CUT = "fxmegatron/experts", "fxmegatron/expert_cut"     # keys in GraphModule.meta
 # data-parallel replicas see different samples: their dropout masks must differ too
 DP_SEED_STRIDE = 0x9E3779B1
 
@@ -79,7 +83,8 @@ def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_pa
 def assemble_local(gm: fx.GraphModule, cap: Captured, plan: TPPlan, rank: int, world: int, device,
                    state_dict: Optional[Mapping] = None, seed: int = 0) -> fx.GraphModule:
     """The rank's GraphModule: its parameter shards, buffers and submodules, on ``device``."""
-    local = materialize_graph(gm, cap, plan.param_plc, rank, world, device, state_dict, seed, source=gm)
+    local = materialize_graph(gm, cap, plan.param_plc, rank, world, device, state_dict, seed, source=gm,
+                              experts=gm.meta.get(EXPERT_CUT))
     local.meta.update(gm.meta)
     return local
 
@@ -108,6 +113,34 @@ def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
             Pass("cp_local_shapes", check_local_shapes)]
 
 
+def ep_passes(ep: Axis) -> List[Pass]:
+    """Expert parallelism's two passes: the experts found on the captured graph, before any pass
+    rewrites it (``find_experts``; their weights then cut to E/ep when the graph is localised),
+    and the dispatch rewritten on the local graph, after tensor parallelism."""
+    if ep.size == 1:
+        return []
+
+    def find(gm):
+        blocks = find_experts(gm)
+        if not blocks:
+            raise ShardingError(f"parallelize(ep={ep.size}): the model has no mixture-of-experts block (no matmul over "
+                                "a parameter with an experts dim, docs/EXPERT_PARALLEL.md): leave ep at 1")
+        check_divisible(blocks, ep.size)
+        check_supported(blocks)
+        gm.meta[EXPERTS] = blocks
+        gm.meta[EXPERT_CUT] = (expert_params(blocks), ep.rank, ep.size)
+        return gm
+
+    return [Pass("find_experts", find, ensures={"experts_found"})]
+
+
+def ep_rewrite(ep: Axis) -> List[Pass]:
+    if ep.size == 1:
+        return []
+    return [Pass("expert_parallel", lambda gm: apply_expert_parallel(gm, gm.meta[EXPERTS], ep.size, ep.rank, EP_AXIS),
+                 requires={"experts_found", "tp_rewritten"})]
+
+
 def shard_world_of(axes: Mapping[str, Axis]) -> int:
     """The ranks a parameter's shards are spread over: dp × cp, or under hybrid sharding one
     replica group's dp ranks × cp (the "dp_cp" axis of ``mesh.mesh_axes``)."""
@@ -133,6 +166,8 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     tp = axes["tp"]
     # a buffer written slice by slice stated as the cat it is, before any pass places values
     passes = [Pass("slice_writes_to_cat", slice_writes_to_cat)]
+    ep = axes.get("ep", Axis())
+    passes += ep_passes(ep)
     passes += cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
     # where inductor's overlap scheduler pins its order in control_deps subgraphs, inductor (torch 2.11)
     # cannot lower a mutating custom op's auto_functionalized_v2 inside one: there the loss's backward
@@ -143,6 +178,7 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     passes += [
         Pass("localize", lambda gm: assemble_local(gm, cap, gm.meta[PLAN], tp.rank, tp.size, "meta"),
              requires={"tp_rewritten"}),
+        *ep_rewrite(ep),
         Pass("check_local_shapes", check_local_shapes, ensures={"local_shapes"}),
     ]
     if cfg.precision == "fp8":
@@ -190,4 +226,4 @@ def groups(axes: Mapping[str, Axis]) -> dict:
     """The binding of the passes' axis names to this rank's process groups."""
     return {TP_AXIS: axes["tp"].group_name, CP_AXIS: axes.get("cp", Axis()).group_name,
             DP_AXIS: axes.get("dp_cp", axes["dp"]).group_name,
-            DP_REPLICATE_AXIS: axes.get("dp_replicate", Axis()).group_name}
+            DP_REPLICATE_AXIS: axes.get("dp_replicate", Axis()).group_name, EP_AXIS: axes.get("ep", Axis()).group_name}

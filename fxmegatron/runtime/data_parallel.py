@@ -24,7 +24,8 @@ import torch.nn as nn
 from fxmegatron.errors import ReplicaError, ShardingError
 from fxmegatron.lower.materialize import weight_digest
 from fxmegatron.mesh import Axis
-from fxmegatron.runtime.sharded_dp import all_gather, all_reduce, bucket_layout, reduce_scatter_bucket, segments
+from fxmegatron.runtime.sharded_dp import (_Done, all_gather, all_reduce, bucket_layout, reduce_scatter_bucket,
+                                           segments)
 
 
 class GradSync:
@@ -101,7 +102,8 @@ class GradSync:
         self._launches = [0] * len(self.buckets)
         self._in_flight = []
         self.launched_in_backward = 0
-        self.active = self.world > 1
+        # a group of one still divides (expert parallelism over every dp rank: the experts' sum is whole)
+        self.active = self.world > 1 or self.divisor != 1
 
     def _hook(self, p: nn.Parameter) -> None:
         if not self.active:
@@ -130,7 +132,7 @@ class GradSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         if not self.shard:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self._work[b] = (flat, all_reduce(flat, self.group), None)
+            self._work[b] = (flat, all_reduce(flat, self.group) if self.world > 1 else _Done(), None)
             return
         piece, work, flat = reduce_scatter_bucket(grads, self.world, self.group)
         for p in bucket:       # what the optimizer reads is the piece

@@ -51,8 +51,8 @@ def grad_norm(named_grads: Iterable[Tuple[str, torch.Tensor]], slot: Mapping[str
         sq[-1] = (torch.stack(torch._foreach_norm(uncounted, 2.0, dtype=torch.float32)) * 0.0).sum()
     if partial_over is not None and partial_over.size > 1:
         dist.all_reduce(sq, group=partial_over.group)
-    for dim in ("tp", "pp"):
-        if axes[dim].size > 1:
+    for dim in ("tp", "pp", "ep"):
+        if dim in axes and axes[dim].size > 1:
             dist.all_reduce(sq, group=axes[dim].group)
     return (sq[:-1].sum() + sq[-1]).sqrt()
 

@@ -81,6 +81,7 @@ class ParallelModel(WholeTensors, nn.Module):
         # holds the rounded fp32 sum
         self._grad_accum: Optional[Fp32GradAccumulator] = None
         self._grad_sync: Optional[GradSync] = None
+        self._expert_sync: Optional[GradSync] = None
         sync = ax.get("dp_cp", ax["dp"])        # dp, or dp × cp under context parallelism
         # dp_shard: the optimizer's state sharded over those ranks (runtime.sharded_dp); at one rank
         # there is nothing to shard
@@ -94,10 +95,18 @@ class ParallelModel(WholeTensors, nn.Module):
             shared = pipe.stage.shared if pipe is not None else {}
             alone = {id(p) for n, p in self.named_parameters() if n in shared}
             replicas = ax.get("dp_replicate")       # hybrid sharding: the same pieces' holders in other groups
-            self._grad_sync = GradSync(list(self.parameters()), uses, sync.group, sync.size, divisor=self.dp_size,
+            # expert parallelism: an expert weight's gradient holds the sum over its ep group's tokens
+            # already; it is summed over the dp / ep ranks holding the same experts, then / dp as the rest
+            experts = self._expert_params()
+            self._grad_sync = GradSync([p for p in self.parameters() if id(p) not in experts], uses, sync.group,
+                                       sync.size, divisor=self.dp_size,
                                        shard=self.dp_shard != "none", rank=sync.rank, alone=alone,
                                        every_microbatch=self.dp_shard == "gradients", sum_dtype=grad_accum_dtype,
                                        replicas=replicas.group if replicas is not None and replicas.size > 1 else None)
+            if experts:
+                edp = ax["edp"]
+                self._expert_sync = GradSync([p for p in self.parameters() if id(p) in experts], uses, edp.group,
+                                             edp.size, divisor=self.dp_size, rank=edp.rank)
         if dist.is_initialized():
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
                                pipe.stage.shared if pipe is not None else (),
@@ -119,7 +128,13 @@ class ParallelModel(WholeTensors, nn.Module):
     def _axes(self) -> Dict[str, Tuple[int, int]]:
         # every mesh axis, not the flattened dp × cp group of the gradient sum
         return {"dp": (0, 1), "pp": (0, 1), "cp": (0, 1), "tp": (0, 1),
-                **{a: rn for a, rn in self.program.coords().items() if a not in ("dp_cp", "dp_replicate")}}
+                **{a: rn for a, rn in self.program.coords().items() if a not in ("dp_cp", "dp_replicate", "ep", "edp")}}
+
+    def _expert_params(self) -> set:
+        """ids of the parameters expert parallelism cuts along their experts dim (empty at ep 1)."""
+        if self.program.axes.get("ep") is None or self.program.axes["ep"].size == 1:
+            return set()
+        return {id(p) for n, p in self.named_parameters() if n in self.program.experts}
 
     def coords(self) -> Dict[str, int]:
         """This rank's coordinate on every mesh axis: {"dp": .., "pp": .., "cp": .., "tp": ..}
@@ -182,8 +197,9 @@ class ParallelModel(WholeTensors, nn.Module):
         m = self.microbatches
         if self._grad_accum is not None:
             self._grad_accum.start(m)
-        if self._grad_sync is not None:
-            self._grad_sync.start(m)
+        for sync in (self._grad_sync, self._expert_sync):
+            if sync is not None:
+                sync.start(m)
         if self._runner is None:
             total = None
             for mb, w in zip(micro, weights):
@@ -196,8 +212,9 @@ class ParallelModel(WholeTensors, nn.Module):
                 total = self._runner.run(micro, weights, dropout_off=not self.training)
         if self._grad_accum is not None:
             self._grad_accum.finish()
-        if self._grad_sync is not None:
-            self._grad_sync.finish()
+        for sync in (self._grad_sync, self._expert_sync):
+            if sync is not None:
+                sync.finish()
         if self._runner is not None:
             pipe, pp = self.program.pipeline, self.program.axes["pp"]
             if self.dp_shard in SHARDED_OPTIMIZER:
@@ -349,6 +366,9 @@ class ParallelModel(WholeTensors, nn.Module):
         (a weight replicated over tp on tp rank 0), on the first pipeline rank holding it."""
         if self.placement(name) == R and self.tp_rank != 0:
             return False
+        ep = self.program.axes.get("ep")
+        if ep is not None and ep.size > 1 and name not in self.program.experts and ep.rank != 0:
+            return False        # replicated over ep: counted on its first rank
         holders = self._holders.get(name)
         return holders is None or holders[0] == self.pp_rank
 

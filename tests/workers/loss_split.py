@@ -11,11 +11,11 @@ VOCAB = 128
 def qwen3_moe(router_loss=True, **kw):
     """Qwen3-MoE-style: softmax top-k router, its load-balancing loss added to the loss."""
     import transformers
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        output_router_logits=router_loss, router_aux_loss_coef=0.1, max_position_embeddings=64, pad_token_id=1,
-        bos_token_id=0, eos_token_id=0, **kw)
+    cfg = transformers.Qwen3MoeConfig(**{
+        **dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+               output_router_logits=router_loss, router_aux_loss_coef=0.1, max_position_embeddings=64, pad_token_id=1,
+               bos_token_id=0, eos_token_id=0), **kw})
     torch.manual_seed(0)
     return transformers.Qwen3MoeForCausalLM(cfg).float().train()
 

@@ -16,9 +16,13 @@ def _mesh(dims):
 
 
 def _model_and_batches(name):
-    """(model, batch(seed)): the test models, or a family of tests/families.py (HF, 2 layers)."""
+    """(model, batch(seed)): the test models, an MoE of tests/workers/loss_split.py, or a family of
+    tests/families.py (HF, 2 layers)."""
     if name in ("gpt", "gpt2", "llama"):
         return models.build(name, n_layer=4), lambda seed: models.batch(name, seed=seed, batch_size=8)
+    from tests.workers.loss_split import MOE, moe_batch
+    if name in MOE:     # without its router loss: dp splits the batch
+        return MOE[name](False), lambda seed: moe_batch(seed, rows=8)
     from tests.families import FAMILIES, make_batch
     fam = FAMILIES[name]
     torch.manual_seed(1234)

@@ -1,0 +1,232 @@
+"""Expert parallelism's rewrite, the all-gather dispatcher (Megatron-core's
+``MoEAllGatherTokenDispatcher``): each of ``ep`` ranks holds E/ep whole experts of every
+block and computes them for the tokens of all ``ep`` ranks.
+
+Per block found by ``find_experts`` (sorted dispatch), on the rank's graph with its expert
+weights already cut to E/ep along their experts dim:
+
+1. the block's three inputs, the tokens its rows are taken from, the [T, k] expert ids and the
+   [T, k] routing weights, are all-gathered over ep (``gather_seq`` along dim 0: its gradient
+   is the reduce-scatter that sums every rank's share back to the tokens' owner);
+2. ids of this rank's experts become local ids (id − rank·E/ep); every other id becomes the
+   sentinel E/ep and its weight 0 (the sort puts sentinels last and ``histc(bins=E/ep,
+   max=E/ep−1)`` leaves them out, so no grouped matmul reads them);
+3. the ops between those inputs and the combine run as captured, on ep·T tokens: the
+   token-counted sizes they hold (``SIZE_ARGS``) are scaled by ep, the histogram's bins are E/ep;
+4. each expert matmul's rows past the last offset are zeroed on the way in and out (a grouped
+   matmul leaves them unwritten, and in backward their gradient would reach the tokens);
+5. the combine, this rank's experts' share of every gathered token's output, is
+   reduce-scattered over ep: each rank gets the sum for its own T tokens (gradient: all-gather).
+
+Exactness: every gathered row is computed by the expert that computed it on one GPU; the
+rows of the other experts are exact zeros; the sum over ep adds each token's k products
+(in another order than the one-GPU sum over k: equal to rounding).
+
+Preconditions (``ExpertParallelError`` naming the block where one fails): the sorted dispatch;
+the histogram is ``histc(ids, E, 0, E − 1)``; the ops from the block's inputs to its combine
+are read by nothing outside the block; and a size argument of those ops that counts tokens is
+the first dim of a shape (or an ``arange``'s length) and equals T or T·k, where no expert count
+is also T or T·k.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence, Set
+
+import torch
+import torch.fx as fx
+
+from fxmegatron.errors import ExpertParallelError
+from fxmegatron.ops.collectives import gather_seq, scatter_seq
+from fxmegatron.passes.expert_parallel.descriptor import SORTED, ExpertsBlock
+
+aten = torch.ops.aten
+
+# op -> the argument holding a shape whose first entry may count tokens (an int: an arange's length)
+SIZE_ARGS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1,
+             aten.new_zeros.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
+             aten.zeros.default: 0, aten.empty.memory_format: 0, aten.full.default: 0, aten.arange.default: 0}
+
+
+def expert_params(blocks: Sequence[ExpertsBlock]) -> Dict[str, int]:
+    """{parameter: its experts dim} for every expert weight and expert bias of ``blocks``."""
+    out: Dict[str, int] = {}
+    for b in blocks:
+        for m in b.matmuls:
+            out[m.weight] = m.experts_dim
+            if m.bias is not None:
+                out[m.bias] = 0
+    return out
+
+
+def check_supported(blocks: Sequence[ExpertsBlock]) -> None:
+    """What the all-gather dispatcher is built for: the sorted dispatch (transformers' grouped_mm
+    experts) without expert biases."""
+    for b in blocks:
+        if b.dispatch != SORTED:
+            raise ExpertParallelError(
+                f"expert parallelism of {b.module}: its experts are a {b.dispatch} dispatch "
+                f"({'every token through every expert, Llama 4' if b.dispatch == 'dense' else 'batched_mm'}); only "
+                "the sorted dispatch (transformers' grouped_mm experts) is built yet: leave ep at 1 for this model")
+        if b.biases:
+            raise ExpertParallelError(f"expert parallelism of {b.module}: expert biases {list(b.biases)} gathered by "
+                                      "expert id are not remapped yet: leave ep at 1 for this model")
+
+
+def apply_expert_parallel(gm: fx.GraphModule, blocks: Sequence[ExpertsBlock], ep: int, rank: int,
+                          group: str) -> fx.GraphModule:
+    """Rewrite every block of ``blocks`` (found on an earlier copy of this graph: nodes are
+    looked up by name) for rank ``rank`` of ``ep``, its collectives on ``group``."""
+    if ep == 1:
+        return gm
+    check_supported(blocks)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for b in blocks:
+        _rewrite_block(gm.graph, b, by_name, ep, rank, group)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _node(by_name: Mapping[str, fx.Node], old: fx.Node, b: ExpertsBlock) -> fx.Node:
+    n = by_name.get(old.name)
+    if n is None:
+        raise ExpertParallelError(f"expert parallelism of {b.module}: node {old.name} of its experts computation is "
+                                  "gone from the rank's graph (a pass before it replaced the node)")
+    return n
+
+
+def _region(combine: fx.Node, stops: Set[fx.Node]) -> List[fx.Node]:
+    """The nodes the combine is computed from, back to ``stops`` (not included) and the graph's
+    attributes."""
+    seen, todo = set(), [combine]
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stops:
+            continue
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr"):
+            continue
+        todo.extend(n.all_input_nodes)
+    return [n for n in combine.graph.nodes if n in seen]
+
+
+def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int, group: str) -> None:
+    E, k = b.num_experts, b.top_k
+    local_e = E // ep
+    rows = _node(by_name, b.rows, b)
+    tokens = rows.args[0]
+    ids = _node(by_name, b.router.expert_ids, b)
+    if b.router.weights is None:
+        raise ExpertParallelError(f"expert parallelism of {b.module}: no routing weights were found for its rows")
+    weights = _node(by_name, b.router.weights, b)
+    combine = _node(by_name, b.combine, b)
+    counts = _node(by_name, b.counts, b)
+    sources = {tokens, ids, weights}
+    region = _region(combine, sources)
+    inside = set(region)
+    placeholders = [n.name for n in region if n.op == "placeholder"]
+    if placeholders:
+        raise ExpertParallelError(f"expert parallelism of {b.module}: its combine reads the graph inputs "
+                                  f"{placeholders} beyond the tokens, the expert ids and the routing weights")
+    for n in region:
+        if n is not combine:
+            outside = [u.name for u in n.users if u not in inside]
+            if outside:
+                raise ExpertParallelError(f"expert parallelism of {b.module}: {n.name} ({n.target}) inside the "
+                                          f"experts computation is also read by {outside} outside it")
+    T = tokens.meta["val"].shape[0]
+    counted = {T, T * k}
+    if E in counted:
+        raise ExpertParallelError(f"expert parallelism of {b.module}: {T} tokens, top-{k}: a size of {E} could "
+                                  "count tokens or experts; trace with another batch size")
+    if counts.target is not aten.histc.default or list(counts.args[1:4]) != [E, 0, E - 1]:
+        raise ExpertParallelError(f"expert parallelism of {b.module}: the rows per expert {counts.name} are "
+                                  f"{counts.target}{tuple(counts.args[1:])}, not histc(ids, {E}, 0, {E - 1})")
+
+    def gathered(src, after):
+        with graph.inserting_before(_next(after)):
+            g = graph.call_function(gather_seq, (src, 0, ep, group))
+        return g
+
+    # 1-2: the gathered inputs, ids remapped, weights of other ranks' experts zeroed
+    tok_g = gathered(tokens, tokens)
+    ids_g = gathered(ids, ids)
+    w_g = gathered(weights, weights)
+    lo = rank * local_e
+    last = max((ids_g, w_g), key=lambda n: _order(graph, n))
+    with graph.inserting_before(_next(last)):
+        ge = graph.call_function(aten.ge.Scalar, (ids_g, lo))
+        lt = graph.call_function(aten.lt.Scalar, (ids_g, lo + local_e))
+        mine = graph.call_function(aten.logical_and.default, (ge, lt))
+        shifted = graph.call_function(aten.sub.Tensor, (ids_g, lo))
+        sentinel = graph.call_function(aten.full_like.default, (ids_g, local_e))
+        ids_l = graph.call_function(aten.where.self, (mine, shifted, sentinel))
+        zero = graph.call_function(aten.zeros_like.default, (w_g,))
+        w_l = graph.call_function(aten.where.self, (mine, w_g, zero))
+    swap = {tokens: tok_g, ids: ids_l, weights: w_l}
+    for n in region:
+        if n not in (tok_g, ids_g, w_g):
+            n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
+            n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
+    # 3: sizes that count tokens, and the histogram's bins
+    for n in region:
+        _scale_sizes(n, counted, ep, b)
+    counts.args = (counts.args[0], local_e, 0, local_e - 1, *counts.args[4:])
+    # 4: rows past the last offset zeroed around each expert matmul
+    # (the rows past the last offset are those of the sentinel, sorted last)
+    grouped = _node(by_name, b.grouped_by, b)
+    with graph.inserting_before(_next(grouped)):
+        valid = graph.call_function(aten.lt.Scalar, (grouped, local_e))
+        valid2 = graph.call_function(aten.unsqueeze.default, (valid, -1))
+    for m in b.matmuls:
+        mm = _node(by_name, m.node, b)
+        with graph.inserting_before(mm):
+            x = mm.args[0]
+            x0 = graph.call_function(aten.zeros_like.default, (x,))
+            xin = graph.call_function(aten.where.self, (valid2, x, x0))
+        mm.args = (xin, *mm.args[1:])
+        with graph.inserting_before(_next(mm)):
+            y0 = graph.call_function(aten.zeros_like.default, (mm,))
+            yout = graph.call_function(aten.where.self, (valid2, mm, y0))
+        mm.replace_all_uses_with(yout, delete_user_cb=lambda u: u not in (y0, yout))
+    # 5: each rank's tokens' sums
+    with graph.inserting_before(_next(combine)):
+        out = graph.call_function(scatter_seq, (combine, 0, ep, group))
+    combine.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
+
+
+def _next(node: fx.Node) -> fx.Node:
+    # inserting before the next node keeps several new nodes in the order they are made
+    # (inserting_after puts each right after the anchor: the last made first)
+    return node.next
+
+
+def _order(graph: fx.Graph, node: fx.Node) -> int:
+    for i, n in enumerate(graph.nodes):
+        if n is node:
+            return i
+    raise KeyError(node.name)
+
+
+def _device(node: fx.Node):
+    v = node.meta.get("val")
+    # a device constant is pointed at the rank's device when it is materialised (retarget_device)
+    return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
+
+
+def _scale_sizes(n: fx.Node, counted: Set[int], ep: int, b: ExpertsBlock) -> None:
+    at = SIZE_ARGS.get(n.target)
+    if at is None or len(n.args) <= at:
+        return
+    size = n.args[at]
+    if isinstance(size, int):
+        if size in counted:
+            n.args = (*n.args[:at], size * ep, *n.args[at + 1:])
+        return
+    if not isinstance(size, (list, tuple)) or not size:
+        return
+    first = size[0]
+    if isinstance(first, int) and first in counted:
+        n.args = (*n.args[:at], [first * ep, *size[1:]], *n.args[at + 1:])
+    # a token count past the first dim is left as it is: the view of ep times the elements then
+    # fails the shape check after this pass (it cannot pass silently)

@@ -1,0 +1,86 @@
+"""Expert parallelism (``parallelize(ep=...)``, folded onto the data-parallel ranks; the all-gather
+dispatcher of passes/expert_parallel/rewrite.py, docs/EXPERT_PARALLEL.md).
+
+On gloo, fp32, against the unmodified model: three SGD steps on different batches with masked
+labels give its loss (1e-5) and every whole gradient (1e-4 of the largest), each rank holding
+E/ep experts of every block; at ep 2 and 4, ep2 × tp2 with sequence parallelism, ep2 × pp2 and
+microbatches, for HF Mixtral, Qwen2-MoE (shared expert), OLMoE and Qwen3-MoE. What it does not
+follow is refused before anything runs, naming the module (planning on one process)."""
+import pytest
+import torch
+
+from fxmegatron.capture import capture
+from fxmegatron.errors import ExpertParallelError, MeshError, ShardingError
+from fxmegatron.layout import Layout
+from fxmegatron.lower.rank import build_rank
+from tests.distributed import run_distributed
+from tests.workers.expert_parallel import ep_parity
+
+# layout -> (mesh, models, parallelize's keywords)
+LAYOUTS = {
+    "dp2-ep2": ({"dp": 2}, ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe"), {"ep": 2}),
+    "dp4-ep4": ({"dp": 4}, ("mixtral",), {"ep": 4}),
+    "dp4-ep2-m2": ({"dp": 4}, ("qwen3_moe",), {"ep": 2, "microbatches": 2}),
+    "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2}, ("qwen2_moe", "olmoe"), {"ep": 2, "sequence_parallel": True}),
+    "dp2-pp2-ep2-m2": ({"dp": 2, "pp": 2}, ("mixtral",), {"ep": 2, "microbatches": 2}),
+}
+EXPERTS = {"mixtral": 4, "qwen2_moe": 4, "olmoe": 4, "qwen3_moe": 4}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_steps_match(layout):
+    dims, names, kw = LAYOUTS[layout]
+    world = 1
+    for v in dims.values():
+        world *= v
+    ep = kw["ep"]
+    for rank, res in enumerate(run_distributed(ep_parity, world, dims, names, kw)):
+        for name, r in res.items():
+            for a, b in zip(r["losses"], r["losses_ref"]):
+                assert abs(a - b) <= 1e-5 * abs(b), (rank, name, r["losses"], r["losses_ref"])
+            for step, err in enumerate(r["errs"]):
+                bad = {n: e for n, e in err.items() if e > 1e-4}
+                assert not bad, (rank, name, step, bad)
+            # every rank holds E/ep experts (a pipeline rank those of its stage's blocks)
+            assert r["experts"] or "pp" in dims, (rank, name)
+            for n, shape in r["experts"].items():
+                assert shape[0] == EXPERTS[name] // ep and r["whole"][n][0] == EXPERTS[name], (n, shape)
+
+
+def _plan(model, batch, **layout):
+    """The passes on one process, planning only (nothing materialised): the refusals come here."""
+    return build_rank(capture(model, batch), Layout(**layout), {"dp": 0}, None, {})
+
+
+def _moe(**kw):
+    from tests.workers.loss_split import moe_batch, qwen3_moe
+    return qwen3_moe(False, **kw), moe_batch(0)
+
+
+def test_ep_that_does_not_divide_the_experts_is_refused_naming_the_block():
+    model, b = _moe(num_experts=6)
+    with pytest.raises(ExpertParallelError, match=r"ep=4 does not divide the 6 experts of model\.layers\.0\.mlp"):
+        _plan(model, b, dp=4, ep=4)
+
+
+def test_a_model_without_experts_and_forms_not_built_are_refused():
+    from tests.families import FAMILIES, make_batch
+    f = FAMILIES["llama"]
+    with pytest.raises(ShardingError, match=r"ep=2\): the model has no mixture-of-experts block"):
+        _plan(f.build(n_layer=1), make_batch(f, 0), dp=2, ep=2)
+    from tests.workers.loss_split import gpt_oss, moe_batch
+    with pytest.raises(ExpertParallelError, match=r"model\.layers\.0\.mlp: expert biases .* not remapped yet"):
+        _plan(gpt_oss(False), moe_batch(0), dp=2, ep=2)
+
+
+def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
+    with pytest.raises(ShardingError, match=r"the 6 of them do not split into groups of 4"):
+        Layout(dp=6, ep=4)
+    with pytest.raises(ShardingError, match=r"ep=2, cp=2\): not built together yet"):
+        Layout(dp=2, cp=2, ep=2)
+    with pytest.raises(ShardingError, match=r"ep=0\): a number of expert-parallel ranks"):
+        Layout(ep=0)
+    import fxmegatron
+    model, b = _moe()
+    with pytest.raises((ShardingError, MeshError), match=r"ep=2.*data-parallel ranks"):
+        fxmegatron.parallelize(model, None, b, ep=2)
