@@ -96,8 +96,8 @@ class RankProgram:
         """Parameter ``name``'s placement per mesh axis: over tp, and an expert weight's experts
         dim over ep (every other axis holds it whole, or not at all: pp)."""
         name = self.aliases.get(name, name)
-        ep = Shard(self.experts[name]) if name in self.experts and self.axes.get("ep") is not None \
-            and self.axes["ep"].size > 1 else None
+        experts, axes = getattr(self, "experts", {}), getattr(self, "axes", {})
+        ep = Shard(experts[name]) if name in experts and "ep" in axes and axes["ep"].size > 1 else None
         return Placements.of(tp=self.placement(name), ep=ep)
 
     def coords(self) -> Dict[str, Tuple[int, int]]:

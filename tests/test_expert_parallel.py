@@ -14,7 +14,7 @@ from fxmegatron.errors import ExpertParallelError, MeshError, ShardingError
 from fxmegatron.layout import Layout
 from fxmegatron.lower.rank import build_rank
 from tests.distributed import run_distributed
-from tests.workers.expert_parallel import ep_parity
+from tests.workers.expert_parallel import ep_checkpoint, ep_parity
 
 # layout -> (mesh, models, parallelize's keywords)
 LAYOUTS = {
@@ -84,3 +84,12 @@ def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
     model, b = _moe()
     with pytest.raises((ShardingError, MeshError), match=r"ep=2.*data-parallel ranks"):
         fxmegatron.parallelize(model, None, b, ep=2)
+
+
+def test_expert_shards_save_load_and_reshard_across_ep(tmp_path):
+    """Saved at ep2 (each rank of the first ep group writes its experts), loaded at ep1 and
+    saved, loaded at ep2: parameters and AdamW moments as saved, bitwise, and the next step's
+    loss the saving run's."""
+    for r in run_distributed(ep_checkpoint, 2, str(tmp_path)):
+        assert r["same_b"] == [] and r["same_c"] == [], r
+        assert abs(r["loss_b"] - r["loss_a"]) <= 1e-6 * r["loss_a"] and abs(r["loss_c"] - r["loss_a"]) <= 1e-6 * r["loss_a"], r

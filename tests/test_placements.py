@@ -227,6 +227,12 @@ def test_a_programs_parameter_layout_is_its_tp_placement():
     object.__setattr__(prog, "aliases", {"tied": "w"})
     assert prog.param_layout("w") == prog.param_layout("tied") == Placements.of(tp=Shard(0))
     assert prog.param_layout("b") == prog.param_layout("missing") == Placements()
+    # expert parallelism: an expert weight's experts dim over ep as well
+    from fxmegatron.mesh import Axis
+    object.__setattr__(prog, "experts", {"w": 0, "e": 0})
+    object.__setattr__(prog, "axes", {"ep": Axis(2, 1, "", (0, 1))})
+    assert prog.param_layout("w") == Placements.of(tp=Shard(0), ep=Shard(0))
+    assert prog.param_layout("e") == Placements.of(ep=Shard(0)) and prog.param_layout("b") == Placements()
 
 
 def test_nodes_carry_one_placement_per_axis_under_cp_and_tp():

@@ -91,11 +91,13 @@ def _piece_meta(layout: Placements, coords, shape) -> dict:
             "degrees": {a: coords.get(a, (0, 1))[1] for a in axes}, "shape": list(shape)}
 
 
-def _rank_tensors(pm, optimizer, lead: bool):
+def _rank_tensors(pm, optimizer, lead: bool, experts: bool = False):
     """The tensors this rank writes, by key, and their metadata: its flat ranges of sharded ones;
-    the whole ones too where ``lead``."""
+    the whole ones too where ``lead``; its experts' where ``experts`` (expert parallelism: each
+    rank of the first ep group writes its own)."""
     tensors, meta = {}, {}
     coords = pm.program.coords()
+    held = set(pm.program.experts) if experts else set()
 
     def put(key, t, m, rng=None, local=None):
         if rng is None:
@@ -111,7 +113,7 @@ def _rank_tensors(pm, optimizer, lead: bool):
         ranges[name] = list(param_ranges(pm, name, p))
         for a, b, t in ranges[name]:
             put("model/" + name, t, base[name], (a, b), pm.program.dp_shards[name])
-        if not ranges[name] and lead:
+        if not ranges[name] and (lead or name in held):
             put("model/" + name, p, base[name])
     if optimizer is None:
         return tensors, meta
@@ -137,7 +139,7 @@ def _rank_tensors(pm, optimizer, lead: bool):
             if v.shape == p.shape and ranges[name]:
                 for a, b, _ in ranges[name]:
                     put(key, v.reshape(-1)[:b - a], base[name], (a, b), pm.program.dp_shards[name])
-            elif lead:
+            elif lead or (name in held and v.shape == p.shape):
                 put(key, v, base[name] if v.shape == p.shape else _piece_meta(Placements(), {}, v.shape))
     return tensors, meta
 
@@ -158,12 +160,17 @@ def save(pm, optimizer, directory: str, extra: Optional[dict] = None,
     group, first_replica = shard_group(pm)
     sharded = pm.dp_shard != "none"
     lead = first_replica and group.rank == 0
-    if (sharded and first_replica) or lead:
-        tensors, meta = _rank_tensors(pm, optimizer, lead)
+    # expert parallelism: the ranks of the first ep group (dp ranks 0..ep-1) write their experts
+    ep = pm.program.axes.get("ep")
+    experts = ep is not None and ep.size > 1 and pm.program.axes["edp"].rank == 0 and first_replica \
+        and pm.program.axes["cp"].rank == 0
+    if (sharded and first_replica) or lead or experts:
+        tensors, meta = _rank_tensors(pm, optimizer, lead, experts)
         # one file per writer: named by every axis that tells writers apart (dp and cp do not; under
-        # dp_shard, the rank's place in its sharding group does)
+        # dp_shard, the rank's place in its sharding group does; under ep, its ep rank)
         who = "-".join(f"{a}{r}" for a, r in sorted(coords.items()) if a not in ("dp", "cp"))
         who += f"-shard{group.rank}" if sharded else ""
+        who += f"-ep{ep.rank}" if experts else ""
         shard = f"{tmp}/shard-{who}.safetensors"
         save_file(tensors, shard, metadata={"fxmegatron": json.dumps(meta)})
         # Each writer hashes its own shard (no rank reads the whole checkpoint) and leaves the

@@ -166,6 +166,9 @@ KEYS: List[Key] = [
     _k("layout", "dp_replicate", INT, 1, "hybrid sharding (HSDP): the dp ranks split into this many groups, "
        "each sharding as dp_shard says over its own dp / dp_replicate ranks, the groups replicas of each other "
        "(a multi-node job: shard inside a node, replicate across)", minimum=1),
+    _k("layout", "ep", INT, 1, "expert parallelism, folded onto the data-parallel ranks: each ep consecutive dp "
+       "ranks hold E/ep whole experts of every mixture-of-experts block and compute them for the tokens of all "
+       "ep (docs/EXPERT_PARALLEL.md); dp must be a multiple of ep", minimum=1),
     # ---- optim ----
     _k("optim", "lr", FLOAT, 3e-4, "peak learning rate", minimum=0),
     _k("optim", "min_lr", FLOAT, 3e-5, "learning rate at the end of the decay", minimum=0),
