@@ -203,7 +203,9 @@ def module_path(node: fx.Node) -> str:
 
 
 def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
-    """Point device constants baked in at capture (arange(device=...), ...) at ``device``."""
+    """Point device constants baked in at capture (arange(device=...), ...) at ``device``, and
+    give the ops a model chose by the device it was captured on (``_histc_on_cpu``) what
+    ``device`` has a kernel for."""
     device = torch.device(device)
 
     def fix(a):
@@ -216,8 +218,35 @@ def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
             if node.op == "call_function":
                 node.args = fx.node.map_aggregate(node.args, fix)
                 node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+        if device.type in ("cpu", "mps"):
+            _histc_on_cpu(mod.graph)
         mod.recompile()
     return gm
+
+
+def _histc_on_cpu(graph: fx.Graph) -> None:
+    """``histc`` of integers has no CPU (or MPS) kernel. transformers' MoE experts count their rows
+    with ``histc(ids.int())`` on other devices and ``histc(ids.float())`` on those two, chosen by the
+    device they are traced on: a model captured on meta (the trainer's) holds the int form. Read the
+    ids as fp32 (exact for any expert id) and the counts back in the captured dtype."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.histc.default:
+            continue
+        x = node.args[0]
+        v = x.meta.get("val") if isinstance(x, fx.Node) else None
+        out = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or not isinstance(out, torch.Tensor):
+            continue
+        with graph.inserting_before(node):
+            xf = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+        xf.meta["val"] = v.to(torch.float32)
+        node.args = (xf, *node.args[1:])
+        node.meta["val"] = out.to(torch.float32)
+        with graph.inserting_after(node):
+            back = graph.call_function(aten._to_copy.default, (node,), {"dtype": out.dtype})
+        back.meta["val"] = out
+        node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
 
 
 def _drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:

@@ -21,8 +21,15 @@ def _model_and_batches(name):
     if name in ("gpt", "gpt2", "llama"):
         return models.build(name, n_layer=4), lambda seed: models.batch(name, seed=seed, batch_size=8)
     from tests.workers.loss_split import MOE, moe_batch
+    name, _, experts = name.partition("@")      # "gpt_oss@batched_mm": transformers' experts implementation
     if name in MOE:     # without its router loss: dp splits the batch
-        return MOE[name](False), lambda seed: moe_batch(seed, rows=8)
+        model = MOE[name](False)
+        if experts:
+            model.set_experts_implementation(experts)
+        return model, lambda seed: moe_batch(seed, rows=8)
+    if name == "deepseek_v3":
+        from tests.test_expert_recognise import _deepseek_v3
+        return _deepseek_v3()[0], lambda seed: moe_batch(seed, rows=8)
     from tests.families import FAMILIES, make_batch
     fam = FAMILIES[name]
     torch.manual_seed(1234)

@@ -15,6 +15,7 @@ weights already cut to E/ep along their experts dim:
    token-counted sizes they hold (``SIZE_ARGS``) are scaled by ep, the histogram's bins are E/ep;
 4. each expert matmul's rows past the last offset are zeroed on the way in and out (a grouped
    matmul leaves them unwritten, and in backward their gradient would reach the tokens);
+   An expert bias gathered by expert id reads its local row (sentinel rows clamped, then zeroed);
 5. the combine, this rank's experts' share of every gathered token's output, is
    reduce-scattered over ep: each rank gets the sum for its own T tokens (gradient: all-gather).
 
@@ -37,7 +38,7 @@ import torch.fx as fx
 
 from fxmegatron.errors import ExpertParallelError
 from fxmegatron.ops.collectives import gather_seq, scatter_seq
-from fxmegatron.passes.expert_parallel.descriptor import SORTED, ExpertsBlock
+from fxmegatron.passes.expert_parallel.descriptor import GATHERED, SORTED, ExpertsBlock
 
 aten = torch.ops.aten
 
@@ -59,17 +60,14 @@ def expert_params(blocks: Sequence[ExpertsBlock]) -> Dict[str, int]:
 
 
 def check_supported(blocks: Sequence[ExpertsBlock]) -> None:
-    """What the all-gather dispatcher is built for: the sorted dispatch (transformers' grouped_mm
-    experts) without expert biases."""
+    """What the all-gather dispatcher is built for: the sorted and gathered dispatches
+    (transformers' grouped_mm and batched_mm experts)."""
     for b in blocks:
-        if b.dispatch != SORTED:
+        if b.dispatch not in (SORTED, GATHERED):
             raise ExpertParallelError(
-                f"expert parallelism of {b.module}: its experts are a {b.dispatch} dispatch "
-                f"({'every token through every expert, Llama 4' if b.dispatch == 'dense' else 'batched_mm'}); only "
-                "the sorted dispatch (transformers' grouped_mm experts) is built yet: leave ep at 1 for this model")
-        if b.biases:
-            raise ExpertParallelError(f"expert parallelism of {b.module}: expert biases {list(b.biases)} gathered by "
-                                      "expert id are not remapped yet: leave ep at 1 for this model")
+                f"expert parallelism of {b.module}: its experts are a {b.dispatch} dispatch (every token through "
+                "every expert, as Llama 4's); only the sorted and gathered dispatches (transformers' grouped_mm and "
+                "batched_mm experts) are built yet: leave ep at 1 for this model")
 
 
 def apply_expert_parallel(gm: fx.GraphModule, blocks: Sequence[ExpertsBlock], ep: int, rank: int,
@@ -120,38 +118,24 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         raise ExpertParallelError(f"expert parallelism of {b.module}: no routing weights were found for its rows")
     weights = _node(by_name, b.router.weights, b)
     combine = _node(by_name, b.combine, b)
-    counts = _node(by_name, b.counts, b)
-    sources = {tokens, ids, weights}
-    region = _region(combine, sources)
-    inside = set(region)
-    placeholders = [n.name for n in region if n.op == "placeholder"]
-    if placeholders:
-        raise ExpertParallelError(f"expert parallelism of {b.module}: its combine reads the graph inputs "
-                                  f"{placeholders} beyond the tokens, the expert ids and the routing weights")
-    for n in region:
-        if n is not combine:
-            outside = [u.name for u in n.users if u not in inside]
-            if outside:
-                raise ExpertParallelError(f"expert parallelism of {b.module}: {n.name} ({n.target}) inside the "
-                                          f"experts computation is also read by {outside} outside it")
+    region = _region(combine, {tokens, ids, weights})
+    _check_region(region, combine, b)
     T = tokens.meta["val"].shape[0]
     counted = {T, T * k}
     if E in counted:
         raise ExpertParallelError(f"expert parallelism of {b.module}: {T} tokens, top-{k}: a size of {E} could "
                                   "count tokens or experts; trace with another batch size")
-    if counts.target is not aten.histc.default or list(counts.args[1:4]) != [E, 0, E - 1]:
+    counts = _node(by_name, b.counts, b) if b.counts is not None else None
+    if counts is not None and (counts.target is not aten.histc.default or list(counts.args[1:4]) != [E, 0, E - 1]):
         raise ExpertParallelError(f"expert parallelism of {b.module}: the rows per expert {counts.name} are "
                                   f"{counts.target}{tuple(counts.args[1:])}, not histc(ids, {E}, 0, {E - 1})")
 
-    def gathered(src, after):
-        with graph.inserting_before(_next(after)):
-            g = graph.call_function(gather_seq, (src, 0, ep, group))
-        return g
+    def gathered(src):
+        with graph.inserting_before(_next(src)):
+            return graph.call_function(gather_seq, (src, 0, ep, group))
 
     # 1-2: the gathered inputs, ids remapped, weights of other ranks' experts zeroed
-    tok_g = gathered(tokens, tokens)
-    ids_g = gathered(ids, ids)
-    w_g = gathered(weights, weights)
+    tok_g, ids_g, w_g = gathered(tokens), gathered(ids), gathered(weights)
     lo = rank * local_e
     last = max((ids_g, w_g), key=lambda n: _order(graph, n))
     with graph.inserting_before(_next(last)):
@@ -165,34 +149,68 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         w_l = graph.call_function(aten.where.self, (mine, w_g, zero))
     swap = {tokens: tok_g, ids: ids_l, weights: w_l}
     for n in region:
-        if n not in (tok_g, ids_g, w_g):
-            n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
-            n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
+        n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
+        n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
     # 3: sizes that count tokens, and the histogram's bins
     for n in region:
-        _scale_sizes(n, counted, ep, b)
-    counts.args = (counts.args[0], local_e, 0, local_e - 1, *counts.args[4:])
-    # 4: rows past the last offset zeroed around each expert matmul
-    # (the rows past the last offset are those of the sentinel, sorted last)
+        _scale_sizes(n, counted, ep)
+    if counts is not None:
+        counts.args = (counts.args[0], local_e, 0, local_e - 1, *counts.args[4:])
+    # 4: the rows of other ranks' experts (the sentinel's: sorted last in the sorted dispatch) zeroed
+    # around each expert matmul, and expert weights and biases gathered by a row's id read a local row
     grouped = _node(by_name, b.grouped_by, b)
     with graph.inserting_before(_next(grouped)):
         valid = graph.call_function(aten.lt.Scalar, (grouped, local_e))
-        valid2 = graph.call_function(aten.unsqueeze.default, (valid, -1))
+        clamped = graph.call_function(aten.clamp.default, (grouped, 0, local_e - 1))
+    experts = {m.weight for m in b.matmuls} | {m.bias for m in b.matmuls if m.bias is not None}
+    for n in region:
+        if n.target is aten.index.Tensor and _param(n.args[0]) in experts and grouped in n.args[1]:
+            n.args = (n.args[0], [clamped if i is grouped else i for i in n.args[1]], *n.args[2:])
+            if _param(n.args[0]) not in {m.weight for m in b.matmuls}:     # a bias's rows: zeroed too
+                _mask_output(graph, n, valid)
     for m in b.matmuls:
         mm = _node(by_name, m.node, b)
+        x = mm.args[0]
         with graph.inserting_before(mm):
-            x = mm.args[0]
-            x0 = graph.call_function(aten.zeros_like.default, (x,))
-            xin = graph.call_function(aten.where.self, (valid2, x, x0))
+            mask = _row_mask(graph, valid, x.meta["val"].dim())
+            xin = graph.call_function(aten.where.self, (mask, x, graph.call_function(aten.zeros_like.default, (x,))))
         mm.args = (xin, *mm.args[1:])
-        with graph.inserting_before(_next(mm)):
-            y0 = graph.call_function(aten.zeros_like.default, (mm,))
-            yout = graph.call_function(aten.where.self, (valid2, mm, y0))
-        mm.replace_all_uses_with(yout, delete_user_cb=lambda u: u not in (y0, yout))
+        _mask_output(graph, mm, valid)
     # 5: each rank's tokens' sums
     with graph.inserting_before(_next(combine)):
         out = graph.call_function(scatter_seq, (combine, 0, ep, group))
     combine.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
+
+
+def _check_region(region: List[fx.Node], combine: fx.Node, b: ExpertsBlock) -> None:
+    inside = set(region)
+    placeholders = [n.name for n in region if n.op == "placeholder"]
+    if placeholders:
+        raise ExpertParallelError(f"expert parallelism of {b.module}: its combine reads the graph inputs "
+                                  f"{placeholders} beyond the tokens, the expert ids and the routing weights")
+    for n in region:
+        if n is not combine:
+            outside = [u.name for u in n.users if u not in inside]
+            if outside:
+                raise ExpertParallelError(f"expert parallelism of {b.module}: {n.name} ({n.target}) inside the "
+                                          f"experts computation is also read by {outside} outside it")
+
+
+def _param(n) -> str:
+    return n.target if isinstance(n, fx.Node) and n.op == "get_attr" else ""
+
+
+def _row_mask(graph: fx.Graph, valid: fx.Node, dim: int) -> fx.Node:
+    """``valid`` [rows] viewed to broadcast over a tensor of ``dim`` dims led by the rows."""
+    return graph.call_function(aten.view.default, (valid, [-1] + [1] * (dim - 1)))
+
+
+def _mask_output(graph: fx.Graph, n: fx.Node, valid: fx.Node) -> None:
+    with graph.inserting_before(_next(n)):
+        mask = _row_mask(graph, valid, n.meta["val"].dim())
+        zero = graph.call_function(aten.zeros_like.default, (n,))
+        out = graph.call_function(aten.where.self, (mask, n, zero))
+    n.replace_all_uses_with(out, delete_user_cb=lambda u: u not in (zero, out))
 
 
 def _next(node: fx.Node) -> fx.Node:
@@ -214,7 +232,7 @@ def _device(node: fx.Node):
     return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
 
 
-def _scale_sizes(n: fx.Node, counted: Set[int], ep: int, b: ExpertsBlock) -> None:
+def _scale_sizes(n: fx.Node, counted: Set[int], ep: int) -> None:
     at = SIZE_ARGS.get(n.target)
     if at is None or len(n.args) <= at:
         return
