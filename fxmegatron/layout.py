@@ -148,7 +148,7 @@ class Layout:
                                 f"and the {self.dp} of them do not split into groups of {self.ep}")
         if self.ep > 1:
             other = [f"{n}={getattr(self, n)!r}" for n, off in (("cp", 1), ("dp_shard", "none"), ("dp_replicate", 1),
-                                                               ("precision", "bf16"), ("verify", False))
+                                                               ("precision", "bf16"))
                      if getattr(self, n) != off]
             if other:
                 raise ShardingError(f"parallelize(ep={self.ep}, {', '.join(other)}): not built together yet (expert "

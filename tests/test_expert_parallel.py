@@ -98,3 +98,25 @@ def test_expert_shards_save_load_and_reshard_across_ep(tmp_path):
     for r in run_distributed(ep_checkpoint, 2, str(tmp_path)):
         assert r["same_b"] == [] and r["same_c"] == [], r
         assert abs(r["loss_b"] - r["loss_a"]) <= 1e-6 * r["loss_a"] and abs(r["loss_c"] - r["loss_a"]) <= 1e-6 * r["loss_a"], r
+
+
+def test_verify_simulates_ep_and_names_a_wrong_dispatch(monkeypatch):
+    """verify runs every rank of dp × tp with its ep groups in one process: exact at ep2 (and
+    ep2 × tp2 + sp, dp4 with two ep groups); a combine that returns each rank's token sums one
+    row off is named at the first node reading the block's output."""
+    import fxmegatron
+    from fxmegatron.errors import VerificationError
+    from fxmegatron.passes.expert_parallel import rewrite
+    from tests.workers.sharded_dp import _model_and_batches
+    for name, kw in (("mixtral", dict(tp=1, dp=2, ep=2)), ("qwen2_moe", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
+                     ("qwen3_moe", dict(tp=1, dp=4, ep=2))):
+        model, batch = _model_and_batches(name)
+        report = fxmegatron.verify(model, batch(0), **kw)
+        assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * report.loss_ref, report
+        assert f"ep={kw['ep']}" in report.layout
+    scatter = rewrite.scatter_seq
+    monkeypatch.setattr(rewrite, "scatter_seq", lambda x, *a: scatter(x.roll(1, 0), *a))
+    model, batch = _model_and_batches("mixtral")
+    with pytest.raises(VerificationError, match=r"verify tp=1 dp=2 ep=2 .*first divergent node \w+ .*in model\.layers\.0"
+                                                r"\.mlp.* reads the output of the expert-parallel block model\.layers\.0\.mlp"):
+        fxmegatron.verify(model, batch(0), tp=1, dp=2, ep=2)

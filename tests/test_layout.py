@@ -48,8 +48,7 @@ COMPILE_OTHER_FLAGS = {"factory", "out", "seed"}
 # fp8 (which eager does not run) and tp_comm_overlap have no simulated form, nor has hybrid
 # sharding yet (dp_replicate: the replica groups' sum of the shards' gradients); the run fields
 # but seed are parallelize's
-# nor expert parallelism yet (its collectives on a simulated ep group)
-VERIFY_NOT_SIMULATED = {"ep", "fuse", "compile", "tp_comm_overlap", "tp_comm_transport",
+VERIFY_NOT_SIMULATED = {"fuse", "compile", "tp_comm_overlap", "tp_comm_transport",
                         "precision", "fp8_recipe", "fp8_policy", "grad_accum_dtype", "chunked", "state_dict",
                         "verbose", "verify", "min_split"}
 VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}

@@ -24,6 +24,7 @@ from fxmegatron.train import checkpoints
 from fxmegatron.train.config import TEXT_KINDS
 from fxmegatron.train.lr import lr_at
 from fxmegatron.train.metrics import Metrics, Progress, flops_per_token, peak_memory_gib
+from fxmegatron.train import moe_load
 from fxmegatron.train.setup import Prepared
 from fxmegatron.train.watchdog import Watchdog, check_finite
 from fxmegatron.train.wandb_sink import WandbSink
@@ -36,6 +37,8 @@ def layout_line(cfg) -> str:
     s = f"dp={lay.dp} pp={lay.pp} tp={lay.tp}"
     if lay.cp > 1:
         s = f"dp={lay.dp} pp={lay.pp} cp={lay.cp} tp={lay.tp} ({lay.cp_attention})"
+    if lay.ep > 1:
+        s += f" ep={lay.ep}"
     if lay.pp > 1:
         sched = lay.schedule or default_schedule(lay.virtual_stages)
         s += f" ({sched}, v={lay.virtual_stages})"
@@ -158,6 +161,7 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
     last_val: Optional[float] = None
     t_train = time.perf_counter()
     step = start
+    experts = moe_load.expert_parallel(pm)      # layout.ep > 1: the load-imbalance figure per step
     try:
         for step in range(start, steps):
             # the first step of a run (or of a resumed one) compiles: it gets the longer allowance
@@ -166,6 +170,8 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
             lr = lr_at(step, steps, o.lr, o.min_lr, o.warmup_steps, o.decay, o.wsd_fraction)
             for g in opt.param_groups:
                 g["lr"] = lr
+            if experts:
+                moe_load.discard()      # what evaluation's forwards recorded
             loss_t = pm.train_step(prep.batch(prep.train.windows(step), device))
             norm_t = pm.grad_norm()
             loss, norm = loss_t.item(), norm_t.item()
@@ -191,7 +197,7 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
                    "tflops_per_device": flops_step / dt / env.world / 1e12,
                    "mfu": (flops_step / dt / env.world / 1e12 / peak) if peak else float("nan"),
                    "mem_gib": peak_memory_gib(device), "elapsed_s": time.perf_counter() - t_train,
-                   "val_loss": None}
+                   "val_loss": None, "moe_imbalance": moe_load.moe_imbalance(pm, device) if experts else None}
             done = step + 1
             wd.step(step, timeout_s=cfg.run.first_step_s)      # evaluation and a save may follow
             if done == steps or (cfg.eval.every and done % cfg.eval.every == 0):

@@ -100,8 +100,13 @@ def main(argv=None) -> int:
             _leave_the_line_to_local_rank_0(str(e))
         return BAD_INPUT
     if args.dry_run:
+        from fxmegatron.errors import FxMegatronError
         from fxmegatron.train.dry_run import print_plan
-        print_plan(prep)
+        try:
+            print_plan(prep)
+        except FxMegatronError as e:    # a layout the plan does not count (layout.ep > 1): one line
+            print(f"fxmegatron train: error: --dry-run: {e}", file=sys.stderr, flush=True)
+            return BAD_INPUT
         print(f"dry run: {time.perf_counter() - T_START:.1f} s", flush=True)
         return 0
     from fxmegatron.train.loop import train

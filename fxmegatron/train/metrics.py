@@ -16,7 +16,8 @@ from typing import Dict, List, Optional
 import torch
 
 COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_gib",
-           "elapsed_s", "val_loss"]
+           "elapsed_s", "val_loss", "moe_imbalance"]
+TRAIN_COLUMNS = ("loss", "lr", "grad_norm", "moe_imbalance")    # train/ panels; the rest but val_loss perf/
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -68,6 +69,8 @@ class Progress:
         if row["mfu"] == row["mfu"]:
             line += f"  MFU {row['mfu']:.1%}"
         line += f"  mem {row['mem_gib']:.2f} GiB  {row['elapsed_s']:6.1f} s"
+        if row.get("moe_imbalance") is not None:
+            line += f"  MoE imbalance {row['moe_imbalance']:.2f}"
         if self.tty:
             print("\r" + line.ljust(self.width), end="", flush=True)
             self.width = len(line)
@@ -112,7 +115,9 @@ class Metrics:
         self.rows: List[Dict] = []
         if start_step > 0 and os.path.exists(self.path):
             with open(self.path, newline="") as f:
-                old = [{k: (None if v == "" else int(v) if k == "step" else float(v)) for k, v in r.items()}
+                # a column the file lacks (written before it was added) reads as None
+                old = [{k: (None if v is None or v == "" else int(v) if k == "step" else float(v))
+                        for k, v in r.items()}
                        for r in csv.DictReader(f)]
             # fxmegatron before steps counted from 1 wrote 0 for the first step: renumber such a file,
             # or the kept rows would hold one step too many
@@ -141,10 +146,10 @@ class Metrics:
                 f.write(_json_line(row))
         if self.tb is not None:
             s = row["step"]
-            for c in COLUMNS[1:-1]:
+            for c in COLUMNS[1:]:
                 v = row.get(c)
-                if v is not None and v == v:
-                    self.tb.add_scalar(("train/" if c in ("loss", "lr", "grad_norm") else "perf/") + c, v, s)
+                if c != "val_loss" and v is not None and v == v:
+                    self.tb.add_scalar(("train/" if c in TRAIN_COLUMNS else "perf/") + c, v, s)
             if row.get("val_loss") is not None:
                 self.tb.add_scalar("eval/loss", row["val_loss"], s)
             self.tb.flush()

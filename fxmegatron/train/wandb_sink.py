@@ -13,6 +13,7 @@ import os
 from typing import Dict, Optional
 
 from fxmegatron.errors import ConfigError
+from fxmegatron.train.metrics import TRAIN_COLUMNS
 
 INSTALL = "pip install 'fxmegatron[wandb]'"
 
@@ -38,7 +39,7 @@ class WandbSink:
 
     def log(self, row: Dict) -> None:
         # None (no evaluation this step) and NaN (no MFU on the CPU) are not values to plot
-        values = {("eval/" if k == "val_loss" else "perf/" if k not in ("loss", "lr", "grad_norm") else "train/") + k: v
+        values = {("eval/" if k == "val_loss" else "train/" if k in TRAIN_COLUMNS else "perf/") + k: v
                   for k, v in row.items() if k != "step" and v is not None and v == v}
         self.run.log(values, step=row["step"])
 

@@ -71,9 +71,10 @@ from fxmegatron.schedules import ScheduleError, make_schedule
 from fxmegatron.schedules.simulate import simulate as simulate_schedule
 from fxmegatron.verify.compare import describe_users, first_divergence, rel_err
 from fxmegatron.layout import Layout
+from fxmegatron.lower.rank_passes import EXPERT_CUT
 from fxmegatron.verify.pipeline import (average_over_replicas, boundary_diagnosis, build_program,
-                                        chunk_of_node, holders, replica_weights, run_step, step_microbatches,
-                                        sum_shared_grads)
+                                        chunk_of_node, holders, join_experts, replica_weights, run_step,
+                                        step_microbatches, sum_shared_grads)
 from fxmegatron.verify.context import cp_view, sum_over_cp
 from fxmegatron.verify.sharded import RuntimeReduction, join_dp_shards
 from fxmegatron.verify.simulate import Recorder, run_grid, run_mesh
@@ -168,7 +169,7 @@ def _without_dropout(gm):
 # the layout's fields that verify simulates (the rest, such as fuse, compile or fp8, have no
 # simulated form: tests/test_layout.py lists them); a layout handed in keeps these alone
 VERIFIED = ("dp", "pp", "cp", "tp", "cp_attention", "sequence_parallel", "recompute", "microbatches",
-            "virtual_stages", "schedule", "blocks_per_chunk", "seed", "dp_shard", "dp_replicate")
+            "virtual_stages", "schedule", "blocks_per_chunk", "seed", "dp_shard", "dp_replicate", "ep")
 
 
 def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual_stages: int = 1,
@@ -176,7 +177,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
            schedule: Optional[str] = None, blocks_per_chunk: Optional[Sequence[int]] = None, batch=None,
            seed: int = 0, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4, cp: int = 1,
            cp_attention: str = "ring", layout: Optional[Layout] = None, dp_shard: str = "none",
-           dp_replicate: int = 1) -> VerifyReport:
+           dp_replicate: int = 1, ep: int = 1) -> VerifyReport:
     """Check the layout dp × pp (``virtual_stages`` chunks per rank, ``microbatches`` per
     step) × ``cp`` (context parallelism, its attention by ``cp_attention``) × ``tp`` of
     ``model`` on simulated ranks; see the module doc. ``example_batch``
@@ -192,7 +193,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
         lay = Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches, dp=dp,
                      sequence_parallel=sequence_parallel, recompute=recompute, schedule=schedule,
                      blocks_per_chunk=blocks_per_chunk, seed=seed, cp=cp, cp_attention=cp_attention,
-                     dp_shard=dp_shard, dp_replicate=dp_replicate)
+                     dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
     else:
         lay = Layout(**{n: getattr(layout, n) for n in VERIFIED})
     tp, pp, dp, seed, cp = lay.tp, lay.pp, lay.dp, lay.seed, lay.cp
@@ -249,9 +250,9 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     shard = dp // lay.dp_replicate      # the dp ranks of one replica group (hybrid sharding)
 
     def rank_body(d: int, c: int, rank: int, group_name: str, cp_group: str, dp_group: str = "",
-                  replica_group: str = ""):
+                  replica_group: str = "", ep_group: str = ""):
         prog = build_program(cap, lay, rank, group_name, d, seed, dropout, d == 0 and c == 0 and rank == 0, c,
-                             cp_group, dp_group, replica_group)
+                             cp_group, dp_group, replica_group, ep_group)
         programs[d][c * tp + rank] = prog
         # the counts of every replica's microbatches: what the all-reduce over dp adds up
         counts = None if prog.counter is None else [[prog.counter(mb) for mb in rep] for rep in micro]
@@ -269,9 +270,9 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
 
     sharded = lay.dp_shard == "full" and dp * cp > 1
     runtime = lay.dp_shard in SHARDED_OPTIMIZER and dp * cp > 1
-    if sharded or runtime:      # every rank at once: the gathers and reductions span the replicas
+    if sharded or runtime or lay.ep > 1:      # every rank at once: the collectives span the replicas
         flat = run_mesh(dp, cp, tp, lambda d, c, t, g: rank_body(d, c, t, g["tp"], g["cp"], g["dp_cp"],
-                                                                 g["dp_replicate"]), lay.dp_replicate)
+                                                                 g["dp_replicate"], g["ep"]), lay.dp_replicate, lay.ep)
         results = [flat[d * cp * tp:(d + 1) * cp * tp] for d in range(dp)]
     else:           # the replicas one after the other, each with its own simulated tp and cp groups
         results = [run_grid(cp, tp, functools.partial(rank_body, d)) for d in range(dp)]
@@ -292,8 +293,10 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
             g = join_dp_shards([results[d][c * tp + t]["grads"] for d in range(shard) for c in range(cp)],
                                programs[0][t].local.meta.get(DP_SHARD, {}))
         else:
-            g = average_over_replicas([sum_over_cp([results[d][c * tp + t]["grads"] for c in range(cp)])
-                                       for d in range(dp)], programs[0][t].params)
+            per_replica = [sum_over_cp([results[d][c * tp + t]["grads"] for c in range(cp)]) for d in range(dp)]
+            if lay.ep > 1:
+                per_replica = join_experts(per_replica, programs[0][t].local.meta[EXPERT_CUT][0], lay.ep)
+            g = average_over_replicas(per_replica, programs[0][t].params)
         if pp > 1:
             sum_shared_grads(g, programs[0][t].shared)
         final.append(g)
@@ -359,7 +362,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
 def layout_name(lay: Layout) -> str:
     parts = [f"tp={lay.tp}"]
     parts += [f"{k}={v}" for k, v in (("pp", lay.pp), ("v", lay.virtual_stages), ("m", lay.microbatches),
-                                      ("dp", lay.dp), ("cp", lay.cp)) if v > 1]
+                                      ("dp", lay.dp), ("ep", lay.ep), ("cp", lay.cp)) if v > 1]
     if lay.cp > 1 and lay.cp_attention != "ring":
         parts.append(f"cp_attention={lay.cp_attention}")
     if lay.sequence_parallel:

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.capture import module_path
+from fxmegatron.passes.expert_parallel.rewrite import EP_BLOCK, EP_REGION
 from fxmegatron.placement import PLACEMENTS, Replicate, Shard, join_shards, placed
 
 
@@ -98,6 +99,8 @@ def first_divergence(ref_graph: fx.Graph, ref_values: Dict[str, object], rank_gr
         node = by_name.get(name)
         if node is None or ref_node.name not in ref_values or "tp" not in node.meta.get(PLACEMENTS, {}):
             continue
+        if node.meta.get(EP_REGION):    # expert parallelism: every ep rank's tokens, this rank's experts alone
+            continue
         if getattr(node.target, "overloadpacket", None) in _UNINITIALISED:
             continue
         if any(name not in v for v in rank_values):
@@ -109,9 +112,13 @@ def first_divergence(ref_graph: fx.Graph, ref_values: Dict[str, object], rank_gr
         bad = _differs(got, want, rtol)
         if bad:
             shown = node if name == ref_node.name else ref_node      # the original op a cp op stands for
+            blocks = sorted({a.meta[EP_BLOCK] for a in node.all_input_nodes if EP_BLOCK in a.meta})
+            note = cp.describe(ref_node.name) if cp is not None else ""
+            if blocks:
+                note = (note + ", " if note else "") + (f"it reads the output of the expert-parallel block {blocks[0]} "
+                                                        "(its dispatch, experts and combine over ep)")
             return Divergence(ref_node.name, str(getattr(shown.target, "__name__", shown.target)),
-                              module_path(node), _plc_str(plc), rule_of(node), bad,
-                              cp.describe(ref_node.name) if cp is not None else "")
+                              module_path(node), _plc_str(plc), rule_of(node), bad, note)
     return None
 
 

@@ -67,7 +67,7 @@ BUILD_LOCK = threading.Lock()     # build_program's docstring says why
 
 def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
                   dropout: bool, with_coverage: bool, cp_rank: int = 0, cp_group: str = "",
-                  dp_group: str = "", replica_group: str = "") -> SimulatedRank:
+                  dp_group: str = "", replica_group: str = "", ep_group: str = "") -> SimulatedRank:
     """The program of tp rank ``tp_rank`` of replica ``dp_rank``, built by the compiler's own
     list of passes (``lower.rank.build_rank``, its tp collectives on ``group_name``), then
     materialised on the CPU as each pipeline rank would (every pipeline rank's stage).
@@ -79,18 +79,19 @@ def build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_
     therefore take turns (``BUILD_LOCK``); the ranks' programs still run side by side."""
     with BUILD_LOCK:
         return _build_program(cap, lay, tp_rank, group_name, dp_rank, seed, dropout, with_coverage, cp_rank, cp_group,
-                              dp_group, replica_group)
+                              dp_group, replica_group, ep_group)
 
 
 def _build_program(cap: Captured, lay: Layout, tp_rank: int, group_name: str, dp_rank: int, seed: int,
                    dropout: bool, with_coverage: bool, cp_rank: int, cp_group: str, dp_group: str,
-                   replica_group: str) -> SimulatedRank:
+                   replica_group: str, ep_group: str = "") -> SimulatedRank:
     gm = copy.deepcopy(cap.gm)
     if lay.seed != seed:
         lay = dataclasses.replace(lay, seed=seed)
     # every pipeline rank's stage, on the CPU, from the rank's own copy of the capture's graph
     built = build_rank(cap, lay, {"tp": tp_rank, "dp": dp_rank, "cp": cp_rank}, "cpu",
-                       {"tp": group_name, "cp": cp_group, "dp_cp": dp_group, "dp_replicate": replica_group},
+                       {"tp": group_name, "cp": cp_group, "dp_cp": dp_group, "dp_replicate": replica_group,
+                        "ep": ep_group},
                        stages=range(lay.pp), graph=gm)
     local, plan = built.local, built.plan
     if built.chunks is None:
@@ -188,6 +189,24 @@ def run_step(prog: SimulatedRank, micro: List[List], weights: Sequence[float], r
     grads = [{k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
              for params in prog.params]
     return {"loss": total.detach().clone(), "losses": losses, "values": values, "grads": grads}
+
+
+def join_experts(per_replica: List[List[Dict[str, torch.Tensor]]], experts: Dict[str, int],
+                 ep: int) -> List[List[Dict[str, torch.Tensor]]]:
+    """Expert parallelism: each replica's expert gradients (its E/ep experts, summed over its ep
+    group's tokens) made whole over its ep group and divided by ep, so that the average over
+    replicas is GradSync's: the sum over the groups / dp. ``experts``: name -> experts dim."""
+    out = [[dict(g) for g in rep] for rep in per_replica]
+    for first in range(0, len(per_replica), ep):
+        for r in range(len(per_replica[first])):
+            for name, dim in experts.items():
+                pieces = [per_replica[first + e][r].get(name) for e in range(ep)]
+                if any(g is None for g in pieces):
+                    continue
+                whole = torch.cat(pieces, dim) / ep
+                for e in range(ep):
+                    out[first + e][r][name] = whole
+    return out
 
 
 def average_over_replicas(per_replica: List[List[Dict[str, torch.Tensor]]],

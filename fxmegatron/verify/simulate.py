@@ -59,12 +59,13 @@ def run_grid(cp: int, tp: int, body: Callable[[int, int, str, str], object]) -> 
 
 
 def run_mesh(dp: int, cp: int, tp: int, body: Callable[[int, int, int, Dict[str, str]], object],
-             replicate: int = 1) -> List[object]:
+             replicate: int = 1, ep: int = 1) -> List[object]:
     """``body(dp_rank, cp_rank, tp_rank, group_names)`` on dp·cp·tp threads: a simulated tp group
     per (dp, cp) rank, a cp group per (dp, tp) rank and a "dp_cp" group per tp rank (its ranks
     dp-major, as the dp × cp group that sums gradients). ``replicate`` > 1 (hybrid sharding): the
     dp ranks cut in (replicate, dp / replicate) as ``mesh.mesh_axes`` cuts them, a "dp_cp" group
-    per (tp rank, replica) and a "dp_replicate" group per (tp rank, place in a replica). The
+    per (tp rank, replica) and a "dp_replicate" group per (tp rank, place in a replica). ``ep`` > 1:
+    an "ep" group per (tp rank, cp rank, ep consecutive dp ranks), as ``mesh.mesh_axes`` cuts dp. The
     results by rank, (dp_rank·cp + cp_rank)·tp + tp_rank. An exception on any rank wakes the
     others and is raised here (the first one)."""
     shard = dp // replicate
@@ -72,13 +73,15 @@ def run_mesh(dp: int, cp: int, tp: int, body: Callable[[int, int, int, Dict[str,
     cp_groups = [SimulatedGroup(cp) for _ in range(dp * tp)]
     dp_groups = [SimulatedGroup(shard * cp) for _ in range(tp * replicate)]
     rep_groups = [SimulatedGroup(replicate) for _ in range(tp * shard * cp)] if replicate > 1 else []
+    ep_groups = [SimulatedGroup(ep) for _ in range(tp * cp * (dp // ep))] if ep > 1 else []
     results: List[object] = [None] * (dp * cp * tp)
     errors: List[BaseException] = []
 
     def target(d: int, c: int, t: int) -> None:
         names = {"tp": tp_groups[d * cp + c].name(t), "cp": cp_groups[d * tp + t].name(c),
                  "dp_cp": dp_groups[t * replicate + d // shard].name(d % shard * cp + c),
-                 "dp_replicate": rep_groups[(t * shard + d % shard) * cp + c].name(d // shard) if rep_groups else ""}
+                 "dp_replicate": rep_groups[(t * shard + d % shard) * cp + c].name(d // shard) if rep_groups else "",
+                 "ep": ep_groups[(t * cp + c) * (dp // ep) + d // ep].name(d % ep) if ep_groups else ""}
         try:
             with torch.random.fork_rng(devices=[]):
                 results[(d * cp + c) * tp + t] = body(d, c, t, names)
@@ -87,7 +90,7 @@ def run_mesh(dp: int, cp: int, tp: int, body: Callable[[int, int, int, Dict[str,
                 errors.append(exc)
         except BaseException as exc:   # noqa: B902 - reported on the caller's thread
             errors.insert(0, exc)
-            for g in tp_groups + cp_groups + dp_groups + rep_groups:
+            for g in tp_groups + cp_groups + dp_groups + rep_groups + ep_groups:
                 g.abort()
 
     threads = [threading.Thread(target=target, args=(d, c, t), name=f"fxmegatron-sim-rank{(d * cp + c) * tp + t}",

@@ -1,0 +1,56 @@
+"""The trainer's load-imbalance figure at ``layout.ep`` > 1: ``moe_imbalance`` in loss.csv.
+
+The expert-parallel rewrite records, per mixture-of-experts block, the rows each of the rank's
+E/ep experts took in every forward (over all ep ranks' tokens: ``ops.expert_load``). After a
+step, each rank puts its block sums at its experts' place in a [blocks, E] tensor and the
+data-parallel ranks sum them (each ep group gives its E/ep slices, every ep group its own
+tokens): each block's rows per expert over the step's whole global batch, all microbatches.
+The figure is the largest, over blocks, of (the busiest expert's rows / the mean over the E
+experts): 1.0 when every expert of every block got the same share, E/k when a block sent every
+token to the same k experts. A max over all ranks gives every rank the figure of all pipeline
+stages' blocks (the tp ranks of a block count the same rows)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fxmegatron.ops.expert_load import take_expert_counts
+
+
+def expert_parallel(pm) -> bool:
+    ep = pm.program.axes.get("ep")
+    return ep is not None and ep.size > 1
+
+
+def discard() -> None:
+    """Forget what forwards outside a training step (evaluation) recorded."""
+    take_expert_counts()
+
+
+def moe_imbalance(pm, device) -> Optional[float]:
+    """This step's figure (module docstring), the same on every rank (collective: every rank
+    calls it after the step, when ``expert_parallel(pm)``); None where no block recorded rows."""
+    sums = take_expert_counts()
+    ep = pm.program.axes["ep"]
+    worst = 0.0
+    if sums:
+        names = sorted(sums)
+        local = torch.stack([sums[n].to(device) for n in names])         # [blocks, E/ep]
+        n = local.shape[1]
+        full = torch.zeros(len(names), n * ep.size, dtype=torch.int64, device=device)
+        full[:, ep.rank * n:(ep.rank + 1) * n] = local
+        dp = pm.program.axes["dp"]
+        if dp.size > 1:     # the same blocks on every rank of the dp group (one pp stage, one tp rank)
+            dist.all_reduce(full, group=dp.group)
+        rows = full.double()
+        mean = rows.mean(dim=1)
+        used = mean > 0
+        if bool(used.any()):
+            worst = (rows.max(dim=1).values[used] / mean[used]).max().item()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([worst], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        worst = t.item()
+    return worst if worst > 0 else None
