@@ -16,7 +16,7 @@ from fxmegatron.errors import ExpertParallelError, MeshError, ShardingError
 from fxmegatron.layout import Layout
 from fxmegatron.lower.rank import build_rank
 from tests.distributed import run_distributed
-from tests.workers.expert_parallel import ep_checkpoint, ep_parity
+from tests.workers.expert_parallel import ep_checkpoint, ep_parity, ep_router_loss_refused
 
 # layout -> (mesh, models, parallelize's keywords)
 LAYOUTS = {
@@ -25,6 +25,7 @@ LAYOUTS = {
     "dp4-ep2-m2": ({"dp": 4}, ("qwen3_moe",), {"ep": 2, "microbatches": 2}),
     "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2}, ("qwen2_moe", "olmoe"), {"ep": 2, "sequence_parallel": True}),
     "dp2-pp2-ep2-m2": ({"dp": 2, "pp": 2}, ("mixtral",), {"ep": 2, "microbatches": 2}),
+    "dp2-ep2-recompute": ({"dp": 2}, ("qwen2_moe",), {"ep": 2, "recompute": "full"}),
     # multi-head latent attention, a sigmoid group router and a shared expert; expert biases
     "dp2-ep2-deepseek-gpt_oss": ({"dp": 2}, ("deepseek_v3", "gpt_oss"), {"ep": 2}),
     "dp2-tp2-ep2-deepseek-gpt_oss": ({"dp": 2, "tp": 2}, ("deepseek_v3", "gpt_oss"), {"ep": 2}),
@@ -120,3 +121,10 @@ def test_verify_simulates_ep_and_names_a_wrong_dispatch(monkeypatch):
     with pytest.raises(VerificationError, match=r"verify tp=1 dp=2 ep=2 .*first divergent node \w+ .*in model\.layers\.0"
                                                 r"\.mlp.* reads the output of the expert-parallel block model\.layers\.0\.mlp"):
         fxmegatron.verify(model, batch(0), tp=1, dp=2, ep=2)
+
+
+def test_a_router_loss_is_refused_at_ep_as_under_any_split_batch():
+    """ep folds onto dp, which splits the batch: a load-balancing loss over the batch is not the
+    mean of the replicas' (refused by name, as for dp and microbatches: tests/test_loss_split.py)."""
+    for msg in run_distributed(ep_router_loss_refused, 2):
+        assert msg is not None and "router_aux_loss_coef" in msg and "output_router_logits=False" in msg, msg

@@ -138,15 +138,13 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         raise ExpertParallelError(f"expert parallelism of {b.module}: the rows per expert {counts.name} are "
                                   f"{counts.target}{tuple(counts.args[1:])}, not histc(ids, {E}, 0, {E - 1})")
 
-    def gathered(src):
-        with graph.inserting_before(_next(src)):
-            return graph.call_function(gather_seq, (src, 0, ep, group))
-
-    # 1-2: the gathered inputs, ids remapped, weights of other ranks' experts zeroed
-    tok_g, ids_g, w_g = gathered(tokens), gathered(ids), gathered(weights)
+    # 1-2: the gathered inputs, ids remapped, weights of other ranks' experts zeroed; all after the
+    # last of the three (an op between a gather and its source, such as the weights' in-place
+    # renormalisation, would otherwise sit past a collective that recompute cuts its regions at)
+    last = max((tokens, ids, weights), key=lambda n: _order(graph, n))
     lo = rank * local_e
-    last = max((ids_g, w_g), key=lambda n: _order(graph, n))
     with graph.inserting_before(_next(last)):
+        tok_g, ids_g, w_g = (graph.call_function(gather_seq, (src, 0, ep, group)) for src in (tokens, ids, weights))
         ge = graph.call_function(aten.ge.Scalar, (ids_g, lo))
         lt = graph.call_function(aten.lt.Scalar, (ids_g, lo + local_e))
         mine = graph.call_function(aten.logical_and.default, (ge, lt))
