@@ -42,7 +42,7 @@ def moe_imbalance(pm, device) -> Optional[float]:
         full = torch.zeros(len(names), n * ep.size, dtype=torch.int64, device=device)
         full[:, ep.rank * n:(ep.rank + 1) * n] = local
         dp = pm.program.axes["dp"]
-        if False:     # the same blocks on every rank of the dp group (one pp stage, one tp rank)
+        if dp.size > 1:     # the same blocks on every rank of the dp group (one pp stage, one tp rank)
             dist.all_reduce(full, group=dp.group)
         rows = full.double()
         mean = rows.mean(dim=1)
