@@ -5,8 +5,9 @@ On gloo, fp32, against the unmodified model: three SGD steps on different batche
 labels give its loss (1e-5) and every whole gradient (1e-4 of the largest), each rank holding
 E/ep experts of every block; at ep 2 and 4, ep2 × tp2 with sequence parallelism, ep2 × pp2 and
 microbatches, for HF Mixtral, Qwen2-MoE (shared expert), OLMoE, Qwen3-MoE, DeepSeek-V3 (MLA, a
-sigmoid group router, a shared expert; also ep2 × tp2) and gpt-oss (expert biases; also with
-transformers' batched_mm experts, the gathered dispatch). What it does not
+sigmoid group router, a shared expert; also ep2 × tp2), gpt-oss (expert biases; also with
+transformers' batched_mm experts, the gathered dispatch) and Llama 4 (every token through every
+expert, the dense dispatch; ep4 holds one expert a rank). What it does not
 follow is refused before anything runs, naming the module (planning on one process)."""
 import pytest
 import torch
@@ -21,14 +22,14 @@ from tests.workers.expert_parallel import ep_checkpoint, ep_parity, ep_router_lo
 # layout -> (mesh, models, parallelize's keywords)
 LAYOUTS = {
     "dp2-ep2": ({"dp": 2}, ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "gpt_oss@batched_mm"), {"ep": 2}),
-    "dp4-ep4": ({"dp": 4}, ("mixtral",), {"ep": 4}),
+    "dp4-ep4": ({"dp": 4}, ("mixtral", "llama4_text"), {"ep": 4}),
     "dp4-ep2-m2": ({"dp": 4}, ("qwen3_moe",), {"ep": 2, "microbatches": 2}),
     "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2}, ("qwen2_moe", "olmoe"), {"ep": 2, "sequence_parallel": True}),
     "dp2-pp2-ep2-m2": ({"dp": 2, "pp": 2}, ("mixtral",), {"ep": 2, "microbatches": 2}),
     "dp2-ep2-recompute": ({"dp": 2}, ("qwen2_moe",), {"ep": 2, "recompute": "full"}),
     # multi-head latent attention, a sigmoid group router and a shared expert; expert biases
     "dp2-ep2-deepseek-gpt_oss": ({"dp": 2}, ("deepseek_v3", "gpt_oss"), {"ep": 2}),
-    "dp2-tp2-ep2-deepseek-gpt_oss": ({"dp": 2, "tp": 2}, ("deepseek_v3", "gpt_oss"), {"ep": 2}),
+    "dp2-tp2-ep2-deepseek-gpt_oss-llama4": ({"dp": 2, "tp": 2}, ("deepseek_v3", "gpt_oss", "llama4_text"), {"ep": 2}),
 }
 EXPERTS = 4     # every model here
 
@@ -74,9 +75,9 @@ def test_a_model_without_experts_and_forms_not_built_are_refused():
     f = FAMILIES["llama"]
     with pytest.raises(ShardingError, match=r"ep=2\): the model has no mixture-of-experts block"):
         _plan(f.build(n_layer=1), make_batch(f, 0), dp=2, ep=2)
-    from tests.test_expert_recognise import MODELS
-    with pytest.raises(ExpertParallelError, match=r"of model\.layers\.0\.feed_forward: its experts are a dense dispatch"):
-        _plan(*MODELS["llama4_text"](), dp=2, ep=2)
+    from tests.test_expert_recognise import REFUSED, _ids_batch
+    with pytest.raises(ExpertParallelError, match=r"model\.layers\.0\.mlp\.experts: step 'top-k' requires"):
+        _plan(REFUSED["phimoe"][0](), _ids_batch(), dp=2, ep=2)
 
 
 def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():

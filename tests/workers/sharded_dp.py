@@ -27,6 +27,9 @@ def _model_and_batches(name):
         if experts:
             model.set_experts_implementation(experts)
         return model, lambda seed: moe_batch(seed, rows=8)
+    if name == "llama4_text":
+        from tests.test_expert_recognise import _moe_tp
+        return _moe_tp("llama4_text")[0], lambda seed: moe_batch(seed, rows=8)
     if name == "deepseek_v3":
         from tests.test_expert_recognise import _deepseek_v3
         return _deepseek_v3()[0], lambda seed: moe_batch(seed, rows=8)

@@ -42,7 +42,7 @@ import torch.fx as fx
 from fxmegatron.errors import ExpertParallelError
 from fxmegatron.ops.collectives import gather_seq, scatter_seq
 from fxmegatron.ops.expert_load import RECORD as RECORD_EXPERT_COUNTS
-from fxmegatron.passes.expert_parallel.descriptor import GATHERED, SORTED, ExpertsBlock
+from fxmegatron.passes.expert_parallel.descriptor import DENSE, GATHERED, SORTED, ExpertsBlock
 
 aten = torch.ops.aten
 
@@ -54,6 +54,9 @@ EP_REGION, EP_BLOCK = "ep_region", "ep_block"
 SIZE_ARGS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1,
              aten.new_zeros.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
              aten.zeros.default: 0, aten.empty.memory_format: 0, aten.full.default: 0, aten.arange.default: 0}
+# the dense dispatch: op -> its shape argument, whose leading E (experts) or T (tokens) is rescaled
+DENSE_SIZE_ARGS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1,
+                   aten.repeat.default: 1, aten.expand.default: 1}
 
 
 def expert_params(blocks: Sequence[ExpertsBlock]) -> Dict[str, int]:
@@ -71,11 +74,9 @@ def check_supported(blocks: Sequence[ExpertsBlock]) -> None:
     """What the all-gather dispatcher is built for: the sorted and gathered dispatches
     (transformers' grouped_mm and batched_mm experts)."""
     for b in blocks:
-        if b.dispatch not in (SORTED, GATHERED):
-            raise ExpertParallelError(
-                f"expert parallelism of {b.module}: its experts are a {b.dispatch} dispatch (every token through "
-                "every expert, as Llama 4's); only the sorted and gathered dispatches (transformers' grouped_mm and "
-                "batched_mm experts) are built yet: leave ep at 1 for this model")
+        if b.dispatch not in (SORTED, GATHERED, DENSE):
+            raise ExpertParallelError(f"expert parallelism of {b.module}: its experts are a {b.dispatch} dispatch, "
+                                      "which has no rewrite: leave ep at 1 for this model")
 
 
 def apply_expert_parallel(gm: fx.GraphModule, blocks: Sequence[ExpertsBlock], ep: int, rank: int,
@@ -116,7 +117,57 @@ def _region(combine: fx.Node, stops: Set[fx.Node]) -> List[fx.Node]:
     return [n for n in combine.graph.nodes if n in seen]
 
 
+def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int, group: str) -> None:
+    """Every token through every expert (Llama 4): the [T, E] scores are 0 off the top-k. Each
+    rank takes its E/ep columns of every ep rank's scores and its E/ep blocks of the [E, ep·T, h]
+    rows; the sum over experts is then this rank's share, reduce-scattered over ep."""
+    E, local_e = b.num_experts, b.num_experts // ep
+    rows = _node(by_name, b.rows, b)
+    tokens = _dense_tokens(rows, b, by_name)
+    weights = _node(by_name, b.router.weights, b)
+    combine = _node(by_name, b.combine, b)
+    region = _region(combine, {tokens, weights})
+    _check_region(region, combine, b)
+    T = tokens.meta["val"].shape[0]
+    if E == T:
+        raise ExpertParallelError(f"expert parallelism of {b.module}: {T} tokens and {E} experts: a size of {E} "
+                                  "could count either; trace with another batch size")
+    last = max((tokens, weights), key=lambda n: _order(graph, n))
+    lo = rank * local_e
+    with graph.inserting_before(_next(last)):
+        tok_g, w_g = (graph.call_function(gather_seq, (src, 0, ep, group)) for src in (tokens, weights))
+        w_l = graph.call_function(aten.slice.Tensor, (w_g, 1, lo, lo + local_e))
+    swap = {tokens: tok_g, weights: w_l}
+    for n in region:
+        n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
+        n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
+        at = DENSE_SIZE_ARGS.get(n.target)
+        if at is not None and len(n.args) > at and isinstance(n.args[at], (list, tuple)) and n.args[at]:
+            size = list(n.args[at])
+            if size[0] == E:        # [E, ...] -> [E/ep, ...]; [E, T, ...] -> [E/ep, ep·T, ...]
+                size[0] = local_e
+                if len(size) > 1 and size[1] == T:
+                    size[1] = T * ep
+            elif size[0] == T:      # [T, ...] -> [ep·T, ...]; E·T rows stay E/ep · ep·T
+                size[0] = T * ep
+            n.args = (*n.args[:at], size, *n.args[at + 1:])
+    with graph.inserting_before(_next(combine)):
+        out = graph.call_function(scatter_seq, (combine, 0, ep, group))
+    combine.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
+    for n in region:
+        n.meta[EP_REGION] = True
+    out.meta[EP_BLOCK] = b.module
+
+
+def _dense_tokens(rows: fx.Node, b: ExpertsBlock, by_name) -> fx.Node:
+    """The [T, h] tokens the dense rows repeat (``rows`` is the [E, T, h] view of their product
+    with the scores): the descriptor's, as the rank's graph reads them."""
+    return _node(by_name, b.tokens, b)
+
+
 def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int, group: str) -> None:
+    if b.dispatch == DENSE:
+        return _rewrite_dense(graph, b, by_name, ep, rank, group)
     E, k = b.num_experts, b.top_k
     local_e = E // ep
     rows = _node(by_name, b.rows, b)
