@@ -18,9 +18,10 @@ weights already cut to E/ep along their experts dim:
    An expert bias gathered by expert id reads its local row (sentinel rows clamped, then zeroed);
 5. the combine, this rank's experts' share of every gathered token's output, is
    reduce-scattered over ep: each rank gets the sum for its own T tokens (gradient: all-gather).
-6. the histogram of step 3 (rows per local expert, over all ep ranks' tokens) is recorded for
-   the trainer's load-imbalance figure (``ops.expert_load.record_expert_counts``, keyed by the
-   block's module path; nothing reads its output, and on fake tensors it does nothing).
+6. where the block has a histogram (the sorted dispatch), that of step 3 (rows per local expert,
+   over all ep ranks' tokens) is recorded for the trainer's load-imbalance figure
+   (``ops.expert_load.record_expert_counts``, keyed by the block's module path; nothing reads
+   its output, and on fake tensors it does nothing).
 
 Exactness: every gathered row is computed by the expert that computed it on one GPU; the
 rows of the other experts are exact zeros; the sum over ep adds each token's k products
@@ -213,12 +214,12 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         _scale_sizes(n, counted, ep)
     if counts is not None:
         counts.args = (counts.args[0], local_e, 0, local_e - 1, *counts.args[4:])
-    # the rows per local expert over every ep rank's tokens, kept for the trainer's load figure
-    # (``ops.expert_load``: an effectful op, no output, a no-op on fake tensors)
-    with graph.inserting_before(_next(counts)):
-        rec = graph.call_function(RECORD_EXPERT_COUNTS, (counts, b.module))
-    if "nn_module_stack" in counts.meta:      # the block's own: a pipeline cut or recompute keeps it there
-        rec.meta["nn_module_stack"] = counts.meta["nn_module_stack"]
+        # the rows per local expert over every ep rank's tokens, kept for the trainer's load figure
+        # (``ops.expert_load``: an effectful op, no output, a no-op on fake tensors)
+        with graph.inserting_before(_next(counts)):
+            rec = graph.call_function(RECORD_EXPERT_COUNTS, (counts, b.module))
+        if "nn_module_stack" in counts.meta:      # the block's own: a pipeline cut or recompute keeps it there
+            rec.meta["nn_module_stack"] = counts.meta["nn_module_stack"]
     # 4: the rows of other ranks' experts (the sentinel's: sorted last in the sorted dispatch) zeroed
     # around each expert matmul, and expert weights and biases gathered by a row's id read a local row
     grouped = _node(by_name, b.grouped_by, b)
