@@ -63,3 +63,27 @@ def test_dp2_pp2_ep2_microbatches_record_the_routers_counts():
     # step 2's figure: every rank the worst block's max / mean of both stages
     want = max(max(c) / (sum(c) / 4) for c in results[0]["ref2"])
     assert all(r["figure"] == want for r in results), ([r["figure"] for r in results], want)
+
+
+def test_integer_histc_captured_on_meta_runs_on_the_cpu():
+    """transformers counts expert rows with histc of ints off the CPU, and a model captured on the
+    meta device (the trainer's) keeps that form, which has no CPU kernel: ``retarget_device`` to
+    the CPU reads the ids as fp32 and gives the counts back in the captured dtype."""
+    from fxmegatron.capture import retarget_device
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(6, dtype=torch.int32, device="meta")
+    h = g.call_function(torch.ops.aten.histc.default, (x, 4, 0, 3))
+    h.meta["val"] = torch.empty(4, dtype=torch.int32, device="meta")
+    g.output((h, g.call_function(torch.ops.aten.cumsum.default, (h, 0))))
+    ids = torch.tensor([3, 0, 1, 1, 3, 5], dtype=torch.int32)      # 5: past max, left out as a sentinel
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    try:
+        gm(ids)
+        raise AssertionError("histc of int32 ran on the CPU: this test no longer shows anything")
+    except (NotImplementedError, RuntimeError):
+        pass
+    counts, offsets = retarget_device(gm, torch.device("cpu"))(ids)
+    assert counts.dtype == torch.int32 and counts.tolist() == [1, 2, 0, 2] and offsets.tolist() == [1, 3, 3, 5]
+    floats = retarget_device(_graph(), torch.device("cpu"))        # histc of floats: left as it is
+    assert torch.ops.aten._to_copy.default not in [n.target for n in floats.graph.nodes]

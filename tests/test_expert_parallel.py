@@ -27,6 +27,7 @@ LAYOUTS = {
     "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2}, ("qwen2_moe", "olmoe"), {"ep": 2, "sequence_parallel": True}),
     "dp2-pp2-ep2-m2": ({"dp": 2, "pp": 2}, ("mixtral",), {"ep": 2, "microbatches": 2}),
     "dp2-ep2-recompute": ({"dp": 2}, ("qwen2_moe",), {"ep": 2, "recompute": "full"}),
+    "dp2-ep2-compile": ({"dp": 2}, ("qwen3_moe",), {"ep": 2, "compile": True}),
     # multi-head latent attention, a sigmoid group router and a shared expert; expert biases
     "dp2-ep2-deepseek-gpt_oss": ({"dp": 2}, ("deepseek_v3", "gpt_oss"), {"ep": 2}),
     "dp2-tp2-ep2-deepseek-gpt_oss-llama4": ({"dp": 2, "tp": 2}, ("deepseek_v3", "gpt_oss", "llama4_text"), {"ep": 2}),
