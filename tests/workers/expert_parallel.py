@@ -5,7 +5,7 @@ import copy
 import torch
 
 from tests import models
-from tests.workers.sharded_dp import _mesh, _model_and_batches
+from tests.workers.sharded_dp import _mesh, _model_and_batches, step_batch
 
 
 def ep_parity(rank, world, dims, names, kw, steps=3):
@@ -29,9 +29,7 @@ def ep_parity(rank, world, dims, names, kw, steps=3):
         opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
         losses, losses_ref, errs = [], [], []
         for step in range(steps):
-            b = batch(10 + step)
-            labels = b[1] if isinstance(b, tuple) else b["labels"]
-            labels[step % 8, : 3 + step] = -100
+            b = step_batch(batch, step)
             loss_ref = models.call(ref, b)
             loss_ref.backward()
             losses_ref.append(loss_ref.item())

@@ -39,6 +39,14 @@ def _model_and_batches(name):
     return fam.build(), lambda seed: make_batch(fam, seed, batch_size=8)
 
 
+def step_batch(batch, step):
+    """Step ``step``'s batch: a fresh one (seed 10 + step) with a run of one row's labels masked."""
+    b = batch(10 + step)
+    labels = b[1] if isinstance(b, tuple) else b["labels"]
+    labels[step % 8, : 3 + step] = -100
+    return b
+
+
 def _groups(named, dims=lambda n, p: p.dim()):
     """Megatron's rule, as the trainer's: no weight decay on parameters of fewer than 2 dims
     (``dims(name, param)``: in the unmodified model)."""
@@ -77,9 +85,7 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
         losses, losses_ref, norms, norms_ref = [], [], [], []
         grad_max = {n: torch.zeros_like(w) for n, w in ref.named_parameters()}
         for step in range(steps):
-            b = batch(10 + step)
-            labels = b[1] if isinstance(b, tuple) else b["labels"]
-            labels[step % 8, : 3 + step] = -100
+            b = step_batch(batch, step)
             loss_ref = models.call(ref, b)
             loss_ref.backward()
             for n, w in ref.named_parameters():

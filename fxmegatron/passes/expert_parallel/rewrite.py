@@ -152,12 +152,7 @@ def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
             elif size[0] == T:      # [T, ...] -> [ep·T, ...]; E·T rows stay E/ep · ep·T
                 size[0] = T * ep
             n.args = (*n.args[:at], size, *n.args[at + 1:])
-    with graph.inserting_before(_next(combine)):
-        out = graph.call_function(scatter_seq, (combine, 0, ep, group))
-    combine.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
-    for n in region:
-        n.meta[EP_REGION] = True
-    out.meta[EP_BLOCK] = b.module
+    _leave(graph, b, combine, region, ep, group)
 
 
 def _dense_tokens(rows: fx.Node, b: ExpertsBlock, by_name) -> fx.Node:
@@ -240,7 +235,12 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
             xin = graph.call_function(aten.where.self, (mask, x, graph.call_function(aten.zeros_like.default, (x,))))
         mm.args = (xin, *mm.args[1:])
         _mask_output(graph, mm, valid)
-    # 5: each rank's tokens' sums
+    _leave(graph, b, combine, region, ep, group)
+
+
+def _leave(graph: fx.Graph, b: ExpertsBlock, combine: fx.Node, region: List[fx.Node], ep: int, group: str) -> None:
+    """Step 5: the combine (this rank's experts' share of every gathered token) reduce-scattered
+    over ep, each rank keeping its own tokens' sums; the region marked for verify's comparison."""
     with graph.inserting_before(_next(combine)):
         out = graph.call_function(scatter_seq, (combine, 0, ep, group))
     combine.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
