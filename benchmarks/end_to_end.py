@@ -37,7 +37,11 @@ Models (--model, or --hf-config):
   shape or cost changes), tied embeddings); ``hf-qwen1.5b``: Qwen2Config with Qwen2.5-1.5B's
   (28 layers, h 1536, 12 heads, 2 kv heads, ffn 8960, V 151936, q/k/v bias, tied);
   ``hf-llama8b``: Llama-3-8B's layers (h 4096, 32 heads, 8 kv heads, ffn 14336, V 128256,
-  untied), 4 of its 32 by default. All: s 2048, global batch 4. ``--hf-config PATH_OR_JSON``:
+  untied), 4 of its 32 by default; ``hf-mixtral``: Mixtral-8x7B's layers (8 experts of ffn
+  14336, top-2, V 32000), 4 of 32; ``hf-moe64``: fine-grained experts on Qwen3-MoE's layers
+  (h 2048, 16 heads, 4 kv heads, 64 experts of ffn 1408, top-8, V 151936), 8 layers; an MoE's
+  FLOPs count the k of E experts a token uses (``-epN``: ``parallelize(ep=N)``, experts over N
+  of the dp ranks). All: s 2048, global batch 4. ``--hf-config PATH_OR_JSON``:
   any config instead of --model: a config.json, a folder holding one, or the JSON text itself
   (with its model_type); s 2048, batch 4. --layers/--seq/--vocab/--global-batch override;
   --hidden/--heads shape GPT only (for an HF model they are refused: write a config).
@@ -95,7 +99,7 @@ number of processes):
   with the flag on too. On torch 2.11 (two H100s, bf16) an fxmegatron row built after this one,
   or this row built after an fxmegatron row, trains wrong from its first gradient (docs/TRAINING.md,
   "Beside torch's async TP"): run it in a job of its own until that is understood.
-- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-zero1|-zero3[-repN]][-fp8|-fp8row][-ovN][-nccl|-ce]``:
+- ``fx[-tpN][-ppN][-dpN][-vN][-mN][-1f1b|-gpipe|-interleaved][-fuse[-eager]][-compile|-cgraphs|-autotune][-nosp][-rsel|-rfull][-acc32][-zero1|-zero3[-repN]][-epN][-fp8|-fp8row][-ovN][-nccl|-ce]``:
   ``fxmegatron.parallelize`` on a ("dp", "pp", "tp") device mesh, the model built on the
   meta device (an HF model as fxmegatron's trainer builds it). tp > 1 turns sequence
   parallelism on (``-nosp``: off); ``-vN`` virtual stages (interleaved 1F1B); ``-mN``

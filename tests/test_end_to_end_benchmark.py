@@ -224,6 +224,23 @@ def test_model_flops_count_gqa_swiglu_and_the_tied_head():
     assert _spec("hf-llama8b", layers=32).count_params() == 8030261248
 
 
+def test_moe_flops_count_the_experts_a_token_uses_and_ep_rows_match():
+    """An MoE preset's P counts k of its E experts (Mixtral: 2 of 8 SwiGLU experts; its router, a
+    parameter of transformers' router module and not an nn.Linear, is left out: 8·h a layer, under
+    0.01%); the ep rows (fxmegatron ep=2 over dp2) and expert tp2 train as the plain model."""
+    s = _spec("hf-mixtral")
+    t = s.text
+    h, d, l, ffn, V = t.hidden_size, s.head_dim, s.layers, t.intermediate_size, t.vocab_size
+    P = l * (2 * h * h + 2 * h * t.num_key_value_heads * d + 2 * 3 * h * ffn) + V * h
+    assert s.matmul_params() == P and s.active_expert_params() == l * 2 * 3 * h * ffn
+    m = _spec("hf-moe64")
+    assert m.active_expert_params() == m.layers * 8 * 3 * 2048 * 1408
+    out = two_processes(["--model", "hf-moe64", "--tiny", *SMOKE, "--steps", "1", "--warmup", "1", "--layers", "2",
+                         "--layouts", "fx-dp2-ep2,fx-tp2"])
+    passed(out, 2)
+    assert "fx-dp2-ep2: fxmegatron ep=2" in out.stdout, out.stdout[:3000]
+
+
 def test_hf_batch_feeds_the_models_own_shifted_loss():
     """The HF batch is ``labels = input_ids`` and the model shifts them: the loss is the mean
     cross-entropy of position t's logits against token t + 1 (a double shift, or none, would pass

@@ -212,7 +212,7 @@ def fx_layout(lay, ref_state=None) -> FxLayout:
                     compile=lay.compile, tp_comm_overlap=lay.overlap, tp_comm_transport=lay.transport,
                     state_dict=ref_state, grad_accum_dtype=torch.float32 if lay.fp32_accum else None,
                     dp_shard="optimizer" if lay.zero1 else "full" if lay.zero3 else "none", dp_replicate=lay.rep,
-                    **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}))
+                    ep=lay.ep, **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}))
 
 
 def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):

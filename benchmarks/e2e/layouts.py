@@ -33,6 +33,7 @@ class Layout:
     zero1: bool = False         # fx -zero1: parallelize(dp_shard="optimizer"), the optimizer built by pm.adamw
     zero3: bool = False         # fx -zero3: parallelize(dp_shard="full")
     rep: int = 1                # -repN (fx -zero1/-zero3, fsdp2): hybrid sharding, N replica groups of dp / N shards
+    ep: int = 1                 # fx -epN: parallelize(ep=N), experts over N of the dp ranks
 
     @property
     def world(self):
@@ -57,7 +58,7 @@ class Layout:
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
                     "native": f"PyTorch-native DTensor TP, tp {self.tp}"
                               + (", async TP" if self.async_tp else "")}[self.kind]
-        what = "fxmegatron" + (" dp_shard=optimizer" if self.zero1 else "") + (" dp_shard=full" if self.zero3 else "") + (f" dp_replicate={self.rep}" if self.rep > 1 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
+        what = "fxmegatron" + (f" ep={self.ep}" if self.ep > 1 else "") + (" dp_shard=optimizer" if self.zero1 else "") + (" dp_shard=full" if self.zero3 else "") + (f" dp_replicate={self.rep}" if self.rep > 1 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
         if self.compile:
             return what + " + compile" + (f" ({self.compile})" if isinstance(self.compile, str) else "")
         return what + (", the rest eager" if self.fuse else ", eager")
@@ -75,7 +76,7 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
     for tok in tokens:
         if re.fullmatch(r"a\d+", tok):   # -aN: another copy of the same row (an A/A pair shows the noise floor)
             continue
-        num = re.fullmatch(r"(tp|pp|dp|v|m|ov|rep)(\d+)", tok)
+        num = re.fullmatch(r"(tp|pp|dp|v|m|ov|rep|ep)(\d+)", tok)
         if num and (head == "fx" or num.group(1) in ("tp", "m") and (head == "native" or num.group(1) == "m")
                     or head == "fsdp2" and num.group(1) in ("dp", "m", "rep")):
             key, val = num.group(1), int(num.group(2))
@@ -157,6 +158,8 @@ def check_layout(lay: Layout, world: int, spec, optimizer: str = "fused", device
     if lay.rep > 1 and (lay.kind == "fx" and not (lay.zero1 or lay.zero3) or lay.dp % lay.rep):
         return (f"{lay.name}: -rep{lay.rep} (hybrid sharding) splits dp {lay.dp} into {lay.rep} equal replica groups "
                 "that shard (fx: with -zero1 or -zero3)")
+    if lay.ep > 1 and lay.dp % lay.ep:
+        return f"{lay.name}: -ep{lay.ep} folds experts onto the dp ranks: it must divide dp {lay.dp}"
     if lay.kind == "fsdp2" and optimizer != "fused":
         return f"{lay.name}: the FSDP2 row runs torch's fused AdamW on its fp32 shards; --optimizer is {optimizer!r}"
     if lay.fadam and optimizer != "fused":

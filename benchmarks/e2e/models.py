@@ -38,10 +38,21 @@ HF_MODELS = {
     "hf-llama8b": ("LlamaConfig", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                                        intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
                                        tie_word_embeddings=False, rms_norm_eps=1e-5), 4, 2048, 4),
+    # Mixtral-8x7B's layer shapes (8 experts, top-2), 4 of its 32 layers by default
+    "hf-mixtral": ("MixtralConfig", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                                         intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                                         vocab_size=32000, rope_theta=1000000.0, router_jitter_noise=0.0,
+                                         output_router_logits=False, tie_word_embeddings=False), 4, 2048, 4),
+    # fine-grained experts (Qwen/DeepSeek-like): 64 experts of ffn 1408, top-8, Qwen3-MoE's layers
+    "hf-moe64": ("Qwen3MoeConfig", dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                                        head_dim=128, intermediate_size=5632, moe_intermediate_size=1408,
+                                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
+                                        vocab_size=151936, output_router_logits=False,
+                                        tie_word_embeddings=False), 8, 2048, 4),
 }
 # --tiny for an HF preset: the same family and tying, 4 layers (pp2-v2 gets a layer per chunk), GQA kept
 HF_TINY = (dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=128,
-                vocab_size=512), 4, 64, 16)
+                moe_intermediate_size=32, head_dim=8, vocab_size=512), 4, 64, 16)
 HF_DEFAULT_SEQ_BATCH = (2048, 4)      # --hf-config (--tiny: 64, 16)
 MODEL_NAMES = [k for k in GPT_MODELS if k != "tiny"] + list(HF_MODELS)
 NATIVE_HF_TYPES = ("llama", "qwen2", "mistral")     # decoder layers of exactly Llama's form
@@ -188,10 +199,25 @@ class ModelSpec:
             from transformers.pytorch_utils import Conv1D
         except ImportError:     # pragma: no cover
             Conv1D = nn.Linear
-        return sum(m.weight.numel() for m in self._shape_model.modules() if isinstance(m, (nn.Linear, Conv1D)))
+        linear = sum(m.weight.numel() for m in self._shape_model.modules() if isinstance(m, (nn.Linear, Conv1D)))
+        return linear + self.active_expert_params()
+
+    def active_expert_params(self) -> int:
+        """A mixture of experts' weights as one token uses them: every 3-D parameter led by the
+        number of experts E (transformers' stacked experts), times k / E (k experts a token). The
+        router's weight (a parameter of transformers' router module, not an nn.Linear: E·h a
+        layer) is left out of P."""
+        text = self.config.get_text_config() if self.kind == "hf" else None
+        E = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+        k = getattr(text, "num_experts_per_tok", None)
+        if not E or not k:
+            return 0
+        total = sum(p.numel() for p in self._shape_model.parameters() if p.dim() == 3 and p.shape[0] == E)
+        return total * k // E
 
     def flops(self) -> float:
-        """Model FLOPs of a step (end_to_end.py's docstring): 6·B·s·P + 12·B·l·s²·(heads·head_dim)."""
+        """Model FLOPs of a step (end_to_end.py's docstring): 6·B·s·P + 12·B·l·s²·(heads·head_dim),
+        P the matmul weights a token uses (a mixture's experts: k of E)."""
         b, s = self.batch, self.seq
         return 6 * b * s * self.matmul_params() + 12 * b * self.layers * s * s * self.heads * self.head_dim
 

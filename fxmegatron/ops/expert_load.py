@@ -35,10 +35,25 @@ def _(counts, block):
     return None
 
 
-torch.library._register_effectful_op(torch.ops.fxmegatron.record_expert_counts.default,
-                                     torch.library.EffectType.ORDERED)
-
 RECORD = torch.ops.fxmegatron.record_expert_counts.default     # the graph node's target
+
+
+def _register_effect(op) -> None:
+    """An effect of its own for ``op``: kept by dead-code elimination and by torch.compile, and
+    ordered there. ``torch.library._register_effectful_op`` where torch has it (2.13 does); else the same in
+    ``torch._higher_order_ops.effects``; failing both, fx's side-effect set (fx keeps it)."""
+    reg = getattr(torch.library, "_register_effectful_op", None)
+    if reg is not None:
+        reg(op, torch.library.EffectType.ORDERED)
+        return
+    try:
+        from torch._higher_order_ops import effects
+        effects._register_effectful_op(op, effects._EffectType.ORDERED)
+    except (ImportError, AttributeError, TypeError):
+        torch.fx.node.has_side_effect(op)
+
+
+_register_effect(RECORD)
 
 
 def take_expert_counts() -> Dict[str, Tensor]:

@@ -37,18 +37,17 @@ def moe_imbalance(pm, device) -> Optional[float]:
     worst = 0.0
     if sums:
         names = sorted(sums)
-        local = torch.stack([sums[n].to(device) for n in names])         # [blocks, E/ep]
-        n = local.shape[1]
-        full = torch.zeros(len(names), n * ep.size, dtype=torch.int64, device=device)
-        full[:, ep.rank * n:(ep.rank + 1) * n] = local
+        local = [sums[b].to(device) for b in names]                    # E/ep rows each
+        full = torch.zeros(len(names), max(c.numel() for c in local) * ep.size, dtype=torch.int64, device=device)
+        for i, c in enumerate(local):
+            full[i, ep.rank * c.numel():(ep.rank + 1) * c.numel()] = c
         dp = pm.program.axes["dp"]
         if dp.size > 1:     # the same blocks on every rank of the dp group (one pp stage, one tp rank)
             dist.all_reduce(full, group=dp.group)
-        rows = full.double()
-        mean = rows.mean(dim=1)
-        used = mean > 0
-        if bool(used.any()):
-            worst = (rows.max(dim=1).values[used] / mean[used]).max().item()
+        for i, c in enumerate(local):
+            rows = full[i, :c.numel() * ep.size].double()
+            if rows.sum() > 0:
+                worst = max(worst, (rows.max() / rows.mean()).item())
     if dist.is_initialized() and dist.get_world_size() > 1:
         t = torch.tensor([worst], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
