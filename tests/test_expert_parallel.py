@@ -3,7 +3,7 @@ dispatcher of passes/expert_parallel/rewrite.py, docs/EXPERT_PARALLEL.md).
 
 On gloo, fp32, against the unmodified model: three SGD steps on different batches with masked
 labels give its loss (1e-5) and every whole gradient (1e-4 of the largest), each rank holding
-E/ep experts of every block; at ep 2 and 4, ep2 × tp2 with sequence parallelism, ep2 × pp2 and
+E/ep experts of every block, then eval_step's loss and the logits (1e-5); at ep 2 and 4, ep2 × tp2 with sequence parallelism, ep2 × pp2 and
 microbatches, for HF Mixtral, Qwen2-MoE (shared expert), OLMoE, Qwen3-MoE, DeepSeek-V3 (MLA, a
 sigmoid group router, a shared expert; also ep2 × tp2), gpt-oss (expert biases; also with
 transformers' batched_mm experts, the gathered dispatch) and Llama 4 (every token through every
@@ -46,6 +46,9 @@ def test_expert_parallel_steps_match(layout):
         for name, r in res.items():
             for a, b in zip(r["losses"], r["losses_ref"]):
                 assert abs(a - b) <= 1e-5 * abs(b), (rank, name, r["losses"], r["losses_ref"])
+            ev, ev_ref = r["eval"]
+            assert abs(ev - ev_ref) <= 1e-5 * abs(ev_ref), (rank, name, r["eval"])
+            assert r["logits_err"] is None or r["logits_err"] <= 1e-5, (rank, name, r["logits_err"])
             for step, err in enumerate(r["errs"]):
                 bad = {n: e for n, e in err.items() if e > 1e-4}
                 assert not bad, (rank, name, step, bad)

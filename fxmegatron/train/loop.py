@@ -161,7 +161,8 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
     last_val: Optional[float] = None
     t_train = time.perf_counter()
     step = start
-    experts = moe_load.expert_parallel(pm)      # layout.ep > 1: the load-imbalance figure per step
+    # layout.ep > 1: the load-imbalance figure per step (not under CUDA-graph replays)
+    experts = moe_load.expert_parallel(pm, cfg.layout.compile)
     try:
         for step in range(start, steps):
             # the first step of a run (or of a resumed one) compiles: it gets the longer allowance

@@ -19,9 +19,15 @@ import torch.distributed as dist
 from fxmegatron.ops.expert_load import take_expert_counts
 
 
-def expert_parallel(pm) -> bool:
+# torch.compile modes that replay CUDA graphs: a replay runs the kernels and not the recording op
+# (a Python call), so the sums would stand still; the figure is not logged under them
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def expert_parallel(pm, compile_mode=False) -> bool:
+    """Whether this run logs the figure: ep > 1, and no CUDA-graph replay (``CUDA_GRAPH_MODES``)."""
     ep = pm.program.axes.get("ep")
-    return ep is not None and ep.size > 1
+    return ep is not None and ep.size > 1 and compile_mode not in CUDA_GRAPH_MODES
 
 
 def discard() -> None:

@@ -44,7 +44,16 @@ def ep_parity(rank, world, dims, names, kw, steps=3):
             opt_ref.zero_grad()
             opt.step()
             pm.zero_grad()
-        out[name] = {"losses": losses, "losses_ref": losses_ref, "errs": errs,
+        # forward only, after the steps (dropout-free models): eval_step's loss, and the logits where
+        # there is no pipeline (each rank runs the same pieces of the batch: collective over ep)
+        b = batch(30)
+        with torch.no_grad():
+            out_ref = ref(**b) if isinstance(b, dict) else None
+        evals = (pm.eval_step(b).item(), out_ref.loss.item())
+        logits_err = None
+        if pm.program.pipeline is None:
+            logits_err = ((pm.logits(b) - out_ref.logits).abs().max() / out_ref.logits.abs().max()).item()
+        out[name] = {"losses": losses, "losses_ref": losses_ref, "errs": errs, "eval": evals, "logits_err": logits_err,
                      "experts": {n: tuple(p.shape) for n, p in pm.named_parameters() if n in pm.program.experts},
                      "whole": {n: tuple(p.shape) for n, p in model.named_parameters() if n in pm.program.experts}}
     return out
