@@ -204,9 +204,13 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
     for n in region:
         n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
         n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
-    # 3: sizes that count tokens, and the histogram's bins
+    # 3: sizes that count tokens, and the histogram's bins. A view or expand counts tokens only where
+    # it reads the gathered inputs (a view of an expert weight keeps its sizes); a new tensor's size
+    # (arange, zeros, ...) has no input to tell, and is read by its value
+    fed = _fed_by(region, {tok_g, ids_l, w_l})
     for n in region:
-        _scale_sizes(n, counted, ep)
+        if n in fed or n.target not in _VIEWS:
+            _scale_sizes(n, counted, ep)
     if counts is not None:
         counts.args = (counts.args[0], local_e, 0, local_e - 1, *counts.args[4:])
         # the rows per local expert over every ep rank's tokens, kept for the trainer's load figure
@@ -297,6 +301,18 @@ def _device(node: fx.Node):
     v = node.meta.get("val")
     # a device constant is pointed at the rank's device when it is materialised (retarget_device)
     return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def _fed_by(region: List[fx.Node], sources: Set[fx.Node]) -> Set[fx.Node]:
+    """The nodes of ``region`` (in graph order) computed from ``sources``."""
+    fed = set(sources)
+    for n in region:
+        if any(a in fed for a in n.all_input_nodes):
+            fed.add(n)
+    return fed
 
 
 def _scale_sizes(n: fx.Node, counted: Set[int], ep: int) -> None:
