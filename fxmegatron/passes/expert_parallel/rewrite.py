@@ -27,11 +27,13 @@ Exactness: every gathered row is computed by the expert that computed it on one 
 rows of the other experts are exact zeros; the sum over ep adds each token's k products
 (in another order than the one-GPU sum over k: equal to rounding).
 
-Preconditions (``ExpertParallelError`` naming the block where one fails): the sorted dispatch;
-the histogram is ``histc(ids, E, 0, E − 1)``; the ops from the block's inputs to its combine
-are read by nothing outside the block; and a size argument of those ops that counts tokens is
-the first dim of a shape (or an ``arange``'s length) and equals T or T·k, where no expert count
-is also T or T·k.
+Preconditions (``ExpertParallelError`` naming the block where one fails): a sorted, gathered
+or dense dispatch; the histogram, where there is one, is ``histc(ids, E, 0, E − 1)``; the ops
+from the block's inputs to its combine are read by nothing outside the block; and a size
+argument of those ops that counts tokens is the first dim of a shape (of a view computed from
+the block's inputs, or of a new tensor: an ``arange``'s length) and equals T or T·k, E being
+neither. A size the rule reads wrongly changes a view's element count, which the shape check
+after this pass refuses.
 """
 from __future__ import annotations
 
