@@ -24,7 +24,7 @@ import torch.nn as nn
 from fxmegatron.errors import ReplicaError, ShardingError
 from fxmegatron.lower.materialize import weight_digest
 from fxmegatron.mesh import Axis
-from fxmegatron.runtime.sharded_dp import (_Done, all_gather, all_reduce, bucket_layout, reduce_scatter_bucket,
+from fxmegatron.runtime.sharded_dp import (Done, all_gather, all_reduce, bucket_layout, reduce_scatter_bucket,
                                            segments)
 
 
@@ -132,7 +132,7 @@ class GradSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         if not self.shard:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self._work[b] = (flat, all_reduce(flat, self.group) if self.world > 1 else _Done(), None)
+            self._work[b] = (flat, all_reduce(flat, self.group) if self.world > 1 else Done(), None)
             return
         piece, work, flat = reduce_scatter_bucket(grads, self.world, self.group)
         for p in bucket:       # what the optimizer reads is the piece

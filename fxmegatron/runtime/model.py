@@ -20,7 +20,7 @@ from fxmegatron.runtime.batch_check import check_same_batch
 from fxmegatron.runtime.data_parallel import GradSync, check_same_weights
 from fxmegatron.runtime.gather import sum_shared_grads
 from fxmegatron.runtime.grad_accumulation import Fp32GradAccumulator, check_grad_accum_dtype
-from fxmegatron.runtime.grad_norm import grad_norm, scale_grads_
+from fxmegatron.runtime.gradient_step import GradientStep
 from fxmegatron.runtime.logits import LogitsForward
 from fxmegatron.runtime.microbatches import loss_weights, split_batch
 from fxmegatron.runtime.sharded_dp import SHARDED_OPTIMIZER, sum_shared_pieces
@@ -30,7 +30,7 @@ from fxmegatron.ops.dp_gather import regather_in_backward
 from fxmegatron.schedules.runtime import StageRunner, add_weighted
 
 
-class ParallelModel(WholeTensors, nn.Module):
+class ParallelModel(WholeTensors, GradientStep, nn.Module):
     """One rank's piece of the parallel program.
 
     ``train_step(batch)`` runs forward and backward over the microbatches (the
@@ -66,15 +66,13 @@ class ParallelModel(WholeTensors, nn.Module):
         self.timings = dict(program.timings)
         pipe = program.pipeline
         self._runner: Optional[StageRunner] = None
-        self._holders: Dict[str, Tuple[int, ...]] = {}
-        self._norm_slots = {n: i for i, n in enumerate(program.param_order)}   # grad_norm's sum order
+        self.gradient_setup(program)
         self._logits: Optional[LogitsForward] = None     # made on the first logits() call
         uses: Dict[int, int] = {}
         if pipe is not None:
             self.stages = nn.ModuleDict({str(k): m for k, m in pipe.stage.modules.items()})
             self._runner = StageRunner(pipe.schedule, self.pp_rank, pipe.stage.modules, pipe.batch_inputs,
                                        pipe.specs, ax["pp"].ranks, ax["pp"].group, program.device)
-            self._holders = pipe.holders()
             uses = pipe.uses()
         # the fp32 accumulation (when asked for) first, then the data-parallel averaging: the
         # hooks run in that order, so a bucket reduced at a parameter's last accumulation
@@ -359,59 +357,6 @@ class ParallelModel(WholeTensors, nn.Module):
         t = total.float().reshape(()) if total is not None else torch.zeros((), device=self.program.device)
         dist.broadcast(t, src=ax.ranks[-1], group=ax.group)
         return t
-
-    # ---- the whole model's gradient norm -----------------------------------------
-    def _counts_square(self, name: str) -> bool:
-        """Whether this rank's gradient square of ``name`` enters the norm: each tp shard once
-        (a weight replicated over tp on tp rank 0), on the first pipeline rank holding it."""
-        if self.placement(name) == R and self.tp_rank != 0:
-            return False
-        ep = self.program.axes.get("ep")
-        if ep is not None and ep.size > 1 and name not in self.program.experts and ep.rank != 0:
-            return False        # replicated over ep: counted on its first rank
-        holders = self._holders.get(name)
-        return holders is None or holders[0] == self.pp_rank
-
-    def grad_norm(self) -> torch.Tensor:
-        """The norm of the whole (unsplit) model's gradient, as ``torch.nn.utils.clip_grad_norm_``
-        on the unmodified model computes it (fp32, on the device, no host sync). Collective over
-        tp and pp (every rank must call it)."""
-        sync = self.program.axes.get("dp_cp", self.program.axes["dp"])
-        if self.dp_shard in SHARDED_OPTIMIZER:      # each rank holds its pieces' sum; the squares add up over the group
-            named = self._grad_sync.named_pieces({id(p): n for n, p in self.named_parameters()})
-            return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
-                             partial_over=sync)
-        named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]
-        return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
-                         partial_over=sync if self.dp_shard == "full" else None)
-
-    def adamw(self, params=None, **hyper):
-        """The optimizer for this rank: ``fxmegatron.optim.FusedAdamW`` over ``params`` (this
-        rank's parameters, or groups of them; default all), or under ``dp_shard="optimizer"`` (or "gradients") a
-        ``ShardedAdamW`` holding this rank's share of its state (``step`` then also all-gathers
-        the updated parameters). Under ``dp_shard="full"`` the parameters are shards already: a
-        ``FusedAdamW`` over them. ``hyper``: ``lr``, ``betas``, ``eps``, ``weight_decay``."""
-        from fxmegatron.optim import FusedAdamW
-        from fxmegatron.optim.sharded_adamw import ShardedAdamW
-        params = list(self.parameters()) if params is None else params
-        if self.dp_shard in SHARDED_OPTIMIZER:
-            return ShardedAdamW(self._grad_sync, params, **hyper)
-        return FusedAdamW(params, **hyper)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that the norm of the whole (unsplit) model's gradient is at most
-        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the unmodified model would; returns
-        that norm. Collective over tp and pp (every rank must call it). With
-        ``fxmegatron.optim.FusedAdamW``, ``opt.step(clip_coefficient(pm.grad_norm(), max_norm))``
-        does the same without this pass over the gradients."""
-        from fxmegatron.optim import clip_coefficient
-        if self.dp_shard in SHARDED_OPTIMIZER:
-            raise ValueError(f"clip_grad_norm_ under dp_shard={self.dp_shard!r}: the whole gradients are gone once "
-                             "reduced; pass the clip coefficient to the optimizer: "
-                             "opt.step(clip_coefficient(pm.grad_norm(), max_norm))")
-        norm = self.grad_norm()
-        scale_grads_(self.parameters(), clip_coefficient(norm, max_norm))
-        return norm
 
     def dump(self, directory: str) -> None:
         """Write this rank's transformed graph(s), placements, collectives and decisions."""

@@ -81,7 +81,7 @@ def segments(buckets: Sequence[Sequence[nn.Parameter]], world: int, rank: int) -
     return out
 
 
-class _Done:
+class Done:
     """The work of a collective that has already happened (on a simulated group)."""
 
     def wait(self) -> None:
@@ -102,7 +102,7 @@ def reduce_scatter_bucket(grads: Sequence[torch.Tensor], world: int, group):
     piece = flat.new_empty(padded // world)
     if _simulated(group):
         piece.copy_(communicator(group).reduce_scatter(flat.view(world, -1)))
-        return piece, _Done(), flat
+        return piece, Done(), flat
     return piece, dist.reduce_scatter_tensor(piece, flat, group=group, async_op=True), flat
 
 
@@ -110,7 +110,7 @@ def all_reduce(flat: torch.Tensor, group):
     """Sum ``flat`` over the group in place; the work."""
     if _simulated(group):
         flat.copy_(communicator(group).all_reduce(flat))
-        return _Done()
+        return Done()
     return dist.all_reduce(flat, group=group, async_op=True)
 
 
@@ -118,7 +118,7 @@ def all_gather(out: torch.Tensor, piece: torch.Tensor, group, async_op: bool = F
     """Every rank's ``piece`` into ``out``, in rank order."""
     if _simulated(group):
         out.copy_(communicator(group).all_gather(piece).reshape(-1))
-        return _Done() if async_op else None
+        return Done() if async_op else None
     # torch 2.13 renamed all_gather_into_tensor (deprecated there); the GPU machines have 2.11
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, piece, group=group, async_op=async_op)

@@ -30,7 +30,6 @@ import torch.nn as nn
 
 from fxmegatron.capture import capture
 from fxmegatron.compiler import first_microbatch
-from fxmegatron.errors import ShardingError
 from fxmegatron.layout import RECOMPUTE_MODES, SCHEDULE_NAMES, Layout
 from fxmegatron.lower.rank import build_rank
 from fxmegatron.placement import R, Shard, local_shape, shard_slices
@@ -151,9 +150,6 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
     model = _in_dtype(model_on_meta, param_dtype)
-    if layout is not None and getattr(layout, "ep", 1) > 1:
-        raise ShardingError(f"the dry-run plan of ep={layout.ep}: it does not count expert parallelism's shards yet "
-                            "(each rank's E/ep experts); plan the layout at ep=1 for an upper bound")
     if layout is not None:
         cfg = Layout(**{n: getattr(layout, n) for n in PLANNED})
     else:

@@ -71,7 +71,6 @@ from fxmegatron.schedules import ScheduleError, make_schedule
 from fxmegatron.schedules.simulate import simulate as simulate_schedule
 from fxmegatron.verify.compare import describe_users, first_divergence, rel_err
 from fxmegatron.layout import Layout
-from fxmegatron.lower.rank_passes import EXPERT_CUT
 from fxmegatron.verify.pipeline import (average_over_replicas, boundary_diagnosis, build_program,
                                         chunk_of_node, holders, join_experts, replica_weights, run_step,
                                         step_microbatches, sum_shared_grads)
@@ -294,9 +293,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
                                programs[0][t].local.meta.get(DP_SHARD, {}))
         else:
             per_replica = [sum_over_cp([results[d][c * tp + t]["grads"] for c in range(cp)]) for d in range(dp)]
-            if lay.ep > 1:
-                per_replica = join_experts(per_replica, programs[0][t].local.meta[EXPERT_CUT][0], lay.ep)
-            g = average_over_replicas(per_replica, programs[0][t].params)
+            g = average_over_replicas(join_experts(per_replica, programs[0][t].local, lay.ep), programs[0][t].params)
         if pp > 1:
             sum_shared_grads(g, programs[0][t].shared)
         final.append(g)

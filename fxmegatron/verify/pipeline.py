@@ -36,6 +36,7 @@ from fxmegatron.capture import Captured
 from fxmegatron.errors import VerificationError
 from fxmegatron.layout import Layout
 from fxmegatron.lower.rank import build_rank
+from fxmegatron.lower.rank_passes import EXPERT_CUT
 from fxmegatron.lower.stages import token_counter
 from fxmegatron.passes.pipeline_split import Chunk
 from fxmegatron.passes.tensor_parallel import TPPlan
@@ -191,11 +192,15 @@ def run_step(prog: SimulatedRank, micro: List[List], weights: Sequence[float], r
     return {"loss": total.detach().clone(), "losses": losses, "values": values, "grads": grads}
 
 
-def join_experts(per_replica: List[List[Dict[str, torch.Tensor]]], experts: Dict[str, int],
+def join_experts(per_replica: List[List[Dict[str, torch.Tensor]]], local: fx.GraphModule,
                  ep: int) -> List[List[Dict[str, torch.Tensor]]]:
     """Expert parallelism: each replica's expert gradients (its E/ep experts, summed over its ep
     group's tokens) made whole over its ep group and divided by ep, so that the average over
-    replicas is GradSync's: the sum over the groups / dp. ``experts``: name -> experts dim."""
+    replicas is GradSync's: the sum over the groups / dp. ``local``: the rank's graph (its expert
+    parameters and their experts dims in its meta)."""
+    if ep == 1:
+        return per_replica
+    experts = local.meta[EXPERT_CUT][0]
     out = [[dict(g) for g in rep] for rep in per_replica]
     for first in range(0, len(per_replica), ep):
         for r in range(len(per_replica[first])):
