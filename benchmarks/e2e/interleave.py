@@ -9,12 +9,31 @@ pairs one step of every layout with one of the first layout's: a row's ``paired`
 over the passes of (the first layout's step time / this layout's), with the middle half of those
 ratios as its spread.
 
-Every layout's weights and optimizer states are on the GPU at once, so no row's peak memory is
-its own: the rows leave it out, and there is no profiled step (run without --interleave for
-those)."""
+Every layout's weights and optimizer states are on the GPU at once, so the GPU's peak is no
+row's own. A row's peak here is an estimate of what it would reach alone: what the layout holds
+after its warm-up (weights, gradients, optimizer states: the allocated bytes it added, built and
+warmed up while the layouts before it sat still) plus the most a timed step of it allocated
+above what was allocated when that step began; the max over ranks. There is no profiled step
+(run without --interleave for one)."""
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from e2e.measure import LayoutRun, attempt, median, release
+
+
+def allocated(dev) -> int:
+    return torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+
+
+def own_peak_gib(resident: int, transient: list, dev):
+    """The row's estimated peak (module docstring), the max over ranks; None off the GPU."""
+    if dev.type != "cuda":
+        return None
+    t = torch.tensor([(resident + max(transient, default=0)) / 2**30], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def paired(first, row):
@@ -28,12 +47,22 @@ def run_interleaved(layouts, spec, args, dev, dtype, batch, meshes, ref_state_fo
     """The rows of ``layouts`` run as the module docstring says; ``ref_state_for(lay)``: the
     initial weights handed to ``lay``'s builder (or None). A layout that fails becomes an error
     row and leaves the passes; the others go on."""
-    runs, errors = {}, {}
+    runs, errors, resident, transient = {}, {}, {}, {}
 
     def ready(lay):
+        a0 = allocated(dev)
         run = LayoutRun(lay, spec, args, dev, dtype, batch, meshes, ref_state_for(lay), builders)
         run.warmup(args.warmup)
+        resident[lay.name], transient[lay.name] = allocated(dev) - a0, []
         return run
+
+    def step(lay):
+        a = allocated(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        runs[lay.name].timed_step()
+        if dev.type == "cuda":
+            transient[lay.name].append(torch.cuda.max_memory_allocated() - a)
 
     for lay in layouts:
         run, err = attempt(lambda lay=lay: ready(lay), lay.name, args, dev, meshes)
@@ -45,7 +74,7 @@ def run_interleaved(layouts, spec, args, dev, dtype, batch, meshes, ref_state_fo
         for lay in (layouts if i % 2 == 0 else layouts[::-1]):
             if lay.name not in runs:
                 continue
-            _, err = attempt(runs[lay.name].timed_step, lay.name, args, dev, meshes)
+            _, err = attempt(lambda lay=lay: step(lay), lay.name, args, dev, meshes)
             if err:
                 errors[lay.name] = err
                 runs.pop(lay.name).close()
@@ -56,6 +85,9 @@ def run_interleaved(layouts, spec, args, dev, dtype, batch, meshes, ref_state_fo
             continue
         row, err = attempt(lambda lay=lay: runs[lay.name].row(spec, peak_tflops, peak_memory=False), lay.name, args,
                            dev, meshes)
+        if row is not None:
+            row["peak_gib"] = own_peak_gib(resident[lay.name], transient[lay.name], dev)
+            row["peak_estimated"] = True
         rows.append(err or row)
     for run in runs.values():
         run.close()

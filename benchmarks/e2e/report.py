@@ -82,6 +82,9 @@ def print_table(rows):
                       + f", idle {r['idle_ms']:.1f}")
     print("(model ms: forward, backward and the gradient norm; optim ms: the clip and AdamW; each the median "
           "over the timed steps of the slowest rank's)")
+    if any(r.get("peak_estimated") and r.get("peak_gib") is not None for r in rows):
+        print("(peak GiB, --interleave: an estimate of each row alone: what it holds after its warm-up plus the most "
+              "a timed step allocated above its start; e2e/interleave.py)")
 
 
 def print_rounds(rows):
