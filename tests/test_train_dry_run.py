@@ -42,3 +42,24 @@ def test_gpt_tiny_dry_run():
     r, _ = dry_run("examples/configs/gpt_tiny.toml")
     assert r.returncode == 0, r.stdout
     assert "dp 1 × pp 2 × tp 2 = 4 ranks" in r.stdout and "Memory per rank" in r.stdout
+
+
+def test_ep_dry_run_is_refused_by_name(tmp_path):
+    """The plan does not count expert parallelism's shards yet: at layout.ep > 1 the dry run says
+    so rather than print whole experts per rank."""
+    import numpy as np
+
+    from tests.test_train_expert_parallel import save_mixtral
+    from tests.trainer_runs import write_config
+    save_mixtral(tmp_path / "mixtral")
+    (np.arange(2000) % 128).astype(np.uint16).tofile(tmp_path / "train.bin")
+    cfg = write_config(tmp_path / "ep2.toml", {
+        "run": {"out": str(tmp_path / "out"), "steps": 1},
+        "model": {"kind": "hf", "path": str(tmp_path / "mixtral")},
+        "data": {"kind": "tokens", "train": str(tmp_path / "train.bin"), "token_dtype": "uint16",
+                 "seq_len": 16, "global_batch": 4},
+        "layout": {"dp": 2, "ep": 2},
+    })
+    r, _ = dry_run(str(cfg))
+    assert r.returncode != 0, r.stdout
+    assert "the dry-run plan of ep=2" in r.stdout and "plan the layout at ep=1" in r.stdout, r.stdout

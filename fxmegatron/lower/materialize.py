@@ -13,7 +13,7 @@ other 1-D parameters (norm weights): GPT-2/Megatron's initialisation.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -66,11 +66,17 @@ def init_shard(name: str, shape, dtype, plc: Placement, rank: int, world: int,
 
 def local_parameter(name: str, model_tensor: torch.Tensor, plc: Placement, rank: int, world: int,
                     device, state_dict: Optional[Mapping[str, torch.Tensor]] = None,
-                    seed: int = 0) -> torch.nn.Parameter:
+                    seed: int = 0, expert_cut: Optional[tuple] = None) -> Tuple[torch.nn.Parameter, str]:
+    """This rank's piece of parameter ``name`` on ``device``, and "" or, with ``expert_cut`` =
+    (experts dim, ep rank, ep), the digest of the whole piece before its experts are cut (the
+    replica check compares it over every dp rank): the cut is taken where the values are read,
+    so only the rank's experts travel to the device."""
     if torch.device(device).type == "meta":   # planning only: shapes, no values
-        shape = local_shape(model_tensor.shape, plc, world)
+        shape = list(local_shape(model_tensor.shape, plc, world))
+        if expert_cut is not None:
+            shape[expert_cut[0]] //= expert_cut[2]
         return torch.nn.Parameter(torch.empty(shape, dtype=model_tensor.dtype, device="meta"),
-                                  requires_grad=model_tensor.requires_grad)
+                                  requires_grad=model_tensor.requires_grad), ""
     if state_dict is not None and name in state_dict:
         read_shard = getattr(state_dict, "read_shard", None)
         local = read_shard(name, plc, rank, world) if callable(read_shard) else \
@@ -79,8 +85,14 @@ def local_parameter(name: str, model_tensor: torch.Tensor, plc: Placement, rank:
         local = take_shard(model_tensor.detach(), plc, rank, world)
     else:
         local = init_shard(name, model_tensor.shape, model_tensor.dtype, plc, rank, world, seed)
+    digest = ""
+    if expert_cut is not None:
+        dim, ep_rank, ep = expert_cut
+        digest = weight_digest(local.to(model_tensor.dtype))
+        n = local.shape[dim] // ep
+        local = local.narrow(dim, ep_rank * n, n)
     local = local.to(device=device, dtype=model_tensor.dtype, copy=True).contiguous()
-    return torch.nn.Parameter(local, requires_grad=model_tensor.requires_grad)
+    return torch.nn.Parameter(local, requires_grad=model_tensor.requires_grad), digest
 
 
 def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str, Placement], rank: int,
@@ -109,11 +121,12 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
         if node.op == "get_attr":
             if t in cap.params:
                 if t not in params:
-                    params[t] = local_parameter(t, cap.params[t], placements.get(t, R), rank, world,
-                                                device, state_dict, seed)
-                    if experts is not None and t in experts[0]:
-                        digests[t] = weight_digest(params[t])
-                        params[t] = expert_shard(params[t], experts[0][t], experts[1], experts[2])
+                    cut = (experts[0][t], experts[1], experts[2]) if experts is not None and t in experts[0] \
+                        else None
+                    params[t], digest = local_parameter(t, cap.params[t], placements.get(t, R), rank, world,
+                                                        device, state_dict, seed, cut)
+                    if cut is not None:
+                        digests[t] = digest
                     if t in shards:
                         digests[t] = weight_digest(params[t])
                         params[t] = nn.Parameter(take_dp_shard(params[t], shard_world, shard_rank),
@@ -135,13 +148,6 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
     if digests:
         out.meta[DIGESTS] = digests
     return out
-
-
-def expert_shard(p: torch.nn.Parameter, dim: int, rank: int, world: int) -> torch.nn.Parameter:
-    """Rank ``rank``'s ``1/world`` of ``p`` along its experts dim ``dim`` (a copy: the whole is freed)."""
-    n = p.shape[dim] // world
-    piece = p.detach().narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
-    return torch.nn.Parameter(piece, requires_grad=p.requires_grad)
 
 
 def weight_digest(t: torch.Tensor) -> str:
