@@ -90,7 +90,7 @@ def main():
     ap.add_argument("--model-args", default="--model gpt6.7b --layers 2 --global-batch 8",
                     help="end_to_end.py's model arguments (--tiny on CPU)")
     args = ap.parse_args()
-    env = init_from_env(args.device, env=read_env(one_process_port=29541))
+    env = init_from_env(args.device, env=read_env(one_process_port=0))
     dev, dtype = env.device, torch.bfloat16
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)

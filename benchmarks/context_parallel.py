@@ -302,7 +302,7 @@ def main(argv=None):
         return spawn_two(argv)
     for key, val in NVLS_OFF.items():
         os.environ.setdefault(key, val)         # read when NCCL / symmetric memory start: before the group
-    env = read_env(one_process_port=29547)
+    env = read_env(one_process_port=0)
     launcher = (f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', env.world)}"
                 if "TORCHELASTIC_RUN_ID" in os.environ else "python")       # or spawned by --smoke
     problems, layouts = [], []

@@ -309,7 +309,7 @@ def set_inductor_config(settings) -> list:
 
 def main(argv=None):
     args = parse_args(argv)
-    env = read_env(one_process_port=29541)     # plain `python end_to_end.py`: a one-process group
+    env = read_env(one_process_port=0)     # plain `python end_to_end.py`: a one-process group
     if not env.launched:
         launcher = "python"
     else:

@@ -7,13 +7,15 @@ pick the device and backend, start the process group, build the device mesh.
     dist.destroy_process_group()
 
 Scripts that also run as a plain ``python script.py`` pass ``one_process_port``: without
-torchrun's variables they then form a one-process group on that port. Scripts that check
+torchrun's variables they then form a one-process group on that port, or on a port the OS
+finds free for 0 (so that two one-process runs side by side do not meet on one port). Scripts that check
 their arguments against the world size before starting the group call ``read_env`` first
 and hand its result to ``init_from_env``.
 """
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -38,17 +40,24 @@ class Env:
         return self.rank == 0
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def read_env(one_process_port: Optional[int] = None) -> Env:
     """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun sets them. Without
-    them and with ``one_process_port``, sets them (and MASTER_ADDR, MASTER_PORT) for a
-    one-process group; without them and without a port, raises a RuntimeError."""
+    them and with ``one_process_port``, sets them (and MASTER_ADDR, MASTER_PORT: that port, a
+    free one for 0, unless MASTER_PORT is set) for a one-process group; without them and
+    without a port, raises a RuntimeError."""
     launched = "RANK" in os.environ
     if not launched:
         if one_process_port is None:
             raise RuntimeError("RANK is not set: start this script with torchrun")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(one_process_port))
+        os.environ.setdefault("MASTER_PORT", str(one_process_port or _free_port()))
     return Env(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
                local_world=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                launched=launched)
