@@ -58,7 +58,6 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -73,7 +72,7 @@ from e2e.models import HF_MODELS, ModelSpec, hf_config  # noqa: E402
 from e2e.optimizers import OPTIMIZERS  # noqa: E402
 from e2e.report import CHECK_RTOL, check_rows, print_round  # noqa: E402
 
-from fxmegatron.runtime.distributed import init_from_env, read_env  # noqa: E402
+from fxmegatron.runtime.distributed import free_port, init_from_env, read_env  # noqa: E402
 
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LAYOUTS = "fx-cp2-ring,fx-cp2-allgather,fx-tp2-sp-full,torch-cp"
@@ -450,11 +449,8 @@ def _child(rank, argv, port):
 
 def spawn_two(argv):
     import torch.multiprocessing as mp
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     try:
-        mp.start_processes(_child, args=(argv, port), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_child, args=(argv, free_port()), nprocs=2, join=True, start_method="spawn")
     except mp.ProcessExitedException as exc:
         return exc.exit_code or 1
     return 0

@@ -6,13 +6,13 @@ checkpoint shards, and when one launch is killed or frozen whole (a node gone) t
 within 60 s, naming the lost rank, with a non-zero status."""
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
 
 import pytest
 
+from fxmegatron.runtime.distributed import free_port
 from tests.trainer_runs import ROOT, TINY, TORCHRUN, _children, env, kill_job, rows, train, wait_rows, write_config
 
 pytestmark = pytest.mark.slow
@@ -37,9 +37,7 @@ def launch_nodes(cfg, tmp_path):
     """Both launches, as each node of a two-node job runs it. On separate hosts only the node
     whose address is the endpoint hosts the rendezvous store; here both addresses match, so
     ``is_host`` says which one does. Returns [(Popen, log path, writes path)] for node 0, 1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     rdzv_id = uuid.uuid4().hex
     nodes = []
     for k in (0, 1):

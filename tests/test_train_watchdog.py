@@ -10,7 +10,6 @@ soon as a local worker dies, and the watchdog is for peers on other hosts.
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from fxmegatron.errors import ConfigError, PipelineError, TrainingError
+from fxmegatron.runtime.distributed import free_port
 from fxmegatron.train.watchdog import _secondary, check_finite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,12 +43,6 @@ with Watchdog(0, 1, timeout_s=1, poll_s=0.2, first_step_timeout_s=5) as wd:
                 time.sleep(1000)
             re.match(r"(a+)+$", "a" * 60 + "b")     # keeps the GIL for ages: no thread runs
 """
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
@@ -103,7 +97,7 @@ def _torchrun(*args):
 
 def _plain(*args, world=4):
     """One process per rank, as on separate hosts: nothing but the watchdog ends them."""
-    port = _free_port()
+    port = free_port()
     envs = [dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(world)]
     for env in envs:

@@ -40,7 +40,8 @@ class Env:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS finds free now (for a rendezvous started next)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +58,7 @@ def read_env(one_process_port: Optional[int] = None) -> Env:
             raise RuntimeError("RANK is not set: start this script with torchrun")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(one_process_port or _free_port()))
+        os.environ.setdefault("MASTER_PORT", str(one_process_port or free_port()))
     return Env(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
                local_world=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                launched=launched)
