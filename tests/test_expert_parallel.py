@@ -89,6 +89,9 @@ def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
         Layout(dp=6, ep=4)
     with pytest.raises(ShardingError, match=r"ep=2, cp=2\): not built together yet"):
         Layout(dp=2, cp=2, ep=2)
+    with pytest.raises(ShardingError, match=r"ep=2, dp_shard='full'\): not built together yet"):
+        Layout(dp=2, ep=2, dp_shard="full")
+    Layout(dp=2, ep=2, dp_shard="optimizer")        # the sharded optimizer composes (tests/test_sharded_dp.py)
     with pytest.raises(ShardingError, match=r"ep=0\): a number of expert-parallel ranks"):
         Layout(ep=0)
     import fxmegatron
@@ -97,13 +100,17 @@ def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
         fxmegatron.parallelize(model, None, b, ep=2)
 
 
-def test_expert_shards_save_load_and_reshard_across_ep(tmp_path):
-    """Saved at ep2 (each rank of the first ep group writes its experts), loaded at ep1 and
-    saved, loaded at ep2: parameters and AdamW moments as saved, bitwise, and the next step's
-    loss the saving run's."""
-    for r in run_distributed(ep_checkpoint, 2, str(tmp_path)):
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+def test_expert_shards_save_load_and_reshard_across_ep(tmp_path, shard):
+    """Saved at ep2 (each rank of the first ep group writes its experts; under a sharded
+    optimizer each rank its pieces of the state), loaded at ep1 and saved, loaded at ep2:
+    parameters and AdamW moments as saved, bitwise, and the next two steps' losses the saving
+    run's."""
+    for r in run_distributed(ep_checkpoint, 2, str(tmp_path), shard):
         assert r["same_b"] == [] and r["same_c"] == [], r
-        assert abs(r["loss_b"] - r["loss_a"]) <= 1e-6 * r["loss_a"] and abs(r["loss_c"] - r["loss_a"]) <= 1e-6 * r["loss_a"], r
+        for tag in "bc":
+            for got, want in zip(r[f"loss_{tag}"], r["loss_a"]):
+                assert abs(got - want) <= 1e-6 * want, (tag, r)
 
 
 def test_verify_simulates_ep_and_names_a_wrong_dispatch(monkeypatch):
@@ -133,3 +140,15 @@ def test_a_router_loss_is_refused_at_ep_as_under_any_split_batch():
     mean of the replicas' (refused by name, as for dp and microbatches: tests/test_loss_split.py)."""
     for msg in run_distributed(ep_router_loss_refused, 2):
         assert msg is not None and "router_aux_loss_coef" in msg and "output_router_logits=False" in msg, msg
+
+
+def test_verify_refuses_ep_with_a_sharded_optimizer_by_name():
+    """verify's simulated reduction shards every gradient over dp; the experts' are reduced over
+    their own group: refused, pointing to the layout without sharding (which it runs)."""
+    import fxmegatron
+    from fxmegatron.errors import VerificationError
+    from tests.workers.sharded_dp import _model_and_batches
+    model, batch = _model_and_batches("mixtral")
+    with pytest.raises(VerificationError, match=r"verify\(ep=2, dp_shard='optimizer'\): not simulated yet.*"
+                                                r"dp_shard='none'"):
+        fxmegatron.verify(model, batch(0), dp=2, ep=2, dp_shard="optimizer")

@@ -18,13 +18,17 @@ LAYOUTS = {"dp2": {"dp": 2}, "dp2-small": {"dp": 2}, "dp4": {"dp": 4}, "dp2-tp2"
            "dp2-pp2": {"dp": 2, "pp": 2}, "dp2-cp2": {"dp": 2, "cp": 2},
            # dp_shard="gradients" (ZeRO-2): a reduce-scatter per bucket and microbatch
            "grads-dp2-m4-small": {"dp": 2}, "grads-dp4-m2": {"dp": 4}, "grads-dp2-tp2-m2": {"dp": 2, "tp": 2},
-           "grads-dp2-pp2-v2-small": {"dp": 2, "pp": 2}, "grads-dp2-cp2-m2": {"dp": 2, "cp": 2}}
+           "grads-dp2-pp2-v2-small": {"dp": 2, "pp": 2}, "grads-dp2-cp2-m2": {"dp": 2, "cp": 2},
+           # expert parallelism folded onto dp: the experts' state sharded over the ranks holding the
+           # same experts (none at dp = ep, two at dp4 ep2), the rest over dp
+           "ep2-dp2": {"dp": 2}, "grads-ep2-dp4-m2": {"dp": 4}}
 GRADS = {"dp_shard": "gradients"}
 KW = {"dp2-pp2": {"microbatches": 2, "virtual_stages": 2},
       "grads-dp2-m4-small": {**GRADS, "microbatches": 4}, "grads-dp4-m2": {**GRADS, "microbatches": 2},
       "grads-dp2-tp2-m2": {**GRADS, "microbatches": 2, "sequence_parallel": True},
       "grads-dp2-pp2-v2-small": {**GRADS, "microbatches": 4, "virtual_stages": 2},
-      "grads-dp2-cp2-m2": {**GRADS, "microbatches": 2}}
+      "grads-dp2-cp2-m2": {**GRADS, "microbatches": 2},
+      "ep2-dp2": {"ep": 2}, "grads-ep2-dp4-m2": {**GRADS, "ep": 2, "microbatches": 2}}
 
 
 def _check(per_rank, world):
@@ -48,7 +52,8 @@ def test_sharded_optimizer_steps_match(layout):
         world *= v
     # HF tied and MoE at dp2, the bundled GPT and HF untied GQA under tp; GPT-2's tied embedding across pp
     names = {"dp2": ("gpt2", "mixtral"), "dp2-tp2": ("gpt", "llama"), "grads-dp2-m4-small": ("gpt2", "mixtral"),
-             "grads-dp4-m2": ("llama",), "grads-dp2-tp2-m2": ("gpt",)}.get(layout, ("gpt2",))
+             "grads-dp4-m2": ("llama",), "grads-dp2-tp2-m2": ("gpt",), "ep2-dp2": ("mixtral", "qwen2_moe"),
+             "grads-ep2-dp4-m2": ("qwen3_moe",)}.get(layout, ("gpt2",))
     small = layout.endswith("small")
     per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, KW.get(layout), small)
     _check(per_rank, world)
@@ -66,6 +71,14 @@ def test_sharded_optimizer_steps_match(layout):
         for res in per_rank:
             for r in res.values():
                 assert r["state_bytes"] <= 12 * r["param_numel"] / dims["dp"] * 1.1, r["state_bytes"]
+    if layout.startswith(("ep", "grads-ep")):
+        # this rank's E/ep experts over the dp/ep ranks holding them, the rest over dp (and padding)
+        ep = KW[layout]["ep"]
+        for res in per_rank:
+            for r in res.values():
+                assert r["expert_numel"] > 0, r
+                want = 12 * ((r["param_numel"] - r["expert_numel"]) / dims["dp"] + r["expert_numel"] * ep / dims["dp"])
+                assert 0.95 * want <= r["state_bytes"] <= 1.1 * want, (r["state_bytes"], want)
 
 
 def test_every_element_has_one_owner_and_segments_start_aligned():

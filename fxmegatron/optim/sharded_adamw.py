@@ -39,7 +39,9 @@ class ShardedAdamW:
     chunk's update does."""
 
     def __init__(self, grad_sync, params: Iterable, chunk_mb: float = 256.0, **hyper):
-        self.sync = grad_sync
+        # one GradSync, or several (expert parallelism: the experts' buckets are reduced over
+        # their own group), each sharding its own buckets over its own group
+        self.syncs = list(grad_sync) if isinstance(grad_sync, (list, tuple)) else [grad_sync]
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -50,7 +52,7 @@ class ShardedAdamW:
                     raise ValueError(f"ShardedAdamW: a parameter of shape {tuple(p.shape)} is in groups "
                                      f"{group_of[id(p)]} and {gi}")
                 group_of[id(p)] = gi
-        missing = [tuple(p.shape) for p in grad_sync.params if id(p) not in group_of]
+        missing = [tuple(p.shape) for sync in self.syncs for p in sync.params if id(p) not in group_of]
         if missing:
             raise ValueError(f"ShardedAdamW: {len(missing)} parameter(s) the gradients are reduced for are in no "
                              f"group (shapes {missing[:3]}): the optimizer owns a share of every one")
@@ -59,25 +61,32 @@ class ShardedAdamW:
         self.param_groups = [{**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
                              for g in groups]
         self.steps_taken = 0
-        self.segments: List[Segment] = grad_sync.segments
+        # every sync's segments one after the other; ``_sync_of[i]``: segment i's sync
+        self.segments: List[Segment] = [seg for sync in self.syncs for seg in sync.segments]
+        self._sync_of = [k for k, sync in enumerate(self.syncs) for _ in sync.segments]
         # one leaf per segment, a view of its parameter's storage: the inner optimizer writes the
         # updated values there
         self._views = [nn.Parameter(s.param.detach().view(-1)[s.start:s.stop]) for s in self.segments]
-        # chunks of whole buckets, in bucket order (the order backward finished them)
-        self.chunks: List[List[int]] = [[]]
-        size = 0
-        for b, bucket in enumerate(grad_sync.buckets):
-            self.chunks[-1].append(b)
-            size += sum(p.numel() * p.element_size() for p in bucket)
-            if size >= chunk_mb * 2**20 and b + 1 < len(grad_sync.buckets):
-                self.chunks.append([])
-                size = 0
-        chunk_of = {b: k for k, bs in enumerate(self.chunks) for b in bs}
+        # chunks of whole buckets of one sync, in bucket order (the order backward finished them)
+        self.chunks: List[List[int]] = []
+        self._chunk_sync: List[int] = []                # per chunk: its sync's index
+        for k, sync in enumerate(self.syncs):
+            self.chunks.append([])
+            self._chunk_sync.append(k)
+            size = 0
+            for b, bucket in enumerate(sync.buckets):
+                self.chunks[-1].append(b)
+                size += sum(p.numel() * p.element_size() for p in bucket)
+                if size >= chunk_mb * 2**20 and b + 1 < len(sync.buckets):
+                    self.chunks.append([])
+                    self._chunk_sync.append(k)
+                    size = 0
+        chunk_of = {(self._chunk_sync[c], b): c for c, bs in enumerate(self.chunks) for b in bs}
         self._inner: List[Optional[FusedAdamW]] = []
         self._inner_group: List[List[int]] = []         # per chunk: its groups' indices in param_groups
         self._members: List[List[int]] = []             # per chunk: its segments' indices
         for k in range(len(self.chunks)):
-            idx = [i for i, s in enumerate(self.segments) if chunk_of[s.bucket] == k]
+            idx = [i for i, s in enumerate(self.segments) if chunk_of[(self._sync_of[i], s.bucket)] == k]
             by_group: Dict[int, list] = {}
             for i in idx:
                 by_group.setdefault(group_of[id(self.segments[i].param)], []).append(self._views[i])
@@ -98,32 +107,35 @@ class ShardedAdamW:
         """The segments' AdamW step on the reduced pieces (``grad_scale`` as in ``FusedAdamW``),
         then the all-gather of the parameters, chunk by chunk. Collective over the
         data-parallel group."""
-        pieces, sync = self.sync.pieces, self.sync
-        if any(pieces[s.bucket] is None for s in self.segments):
+        if any(self.syncs[k].pieces[s.bucket] is None for s, k in zip(self.segments, self._sync_of)):
             raise RuntimeError("ShardedAdamW.step before train_step: no reduced gradient pieces")
         pending = None
         for k, bs in enumerate(self.chunks):
+            sync = self.syncs[self._chunk_sync[k]]
             inner = self._inner[k]
             if inner is not None:
                 for g, gi in zip(inner.param_groups, self._inner_group[k]):
                     g.update({h: self.param_groups[gi][h] for h in HYPER})
                 for i in self._members[k]:
                     s = self.segments[i]
-                    self._views[i].grad = pieces[s.bucket][s.at:s.at + s.numel]
+                    self._views[i].grad = sync.pieces[s.bucket][s.at:s.at + s.numel]
                 inner.step(grad_scale)
-            started = launch_gather(sync.buckets, bs, [self.segments[i] for i in self._members[k]], sync.world,
-                                    sync.group)
+            started = (sync.buckets, launch_gather(sync.buckets, bs, [self.segments[i] for i in self._members[k]],
+                                                   sync.world, sync.group))
             if pending is not None:
-                finish_gather(sync.buckets, pending)
+                finish_gather(*pending)
             pending = started
-        finish_gather(sync.buckets, pending)
-        sync.pieces = [None] * len(sync.buckets)
+        if pending is not None:
+            finish_gather(*pending)
+        for sync in self.syncs:
+            sync.pieces = [None] * len(sync.buckets)
         self.steps_taken += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the reduced pieces not stepped on (a skipped update); the whole gradients are
         dropped when their bucket is reduced."""
-        self.sync.pieces = [None] * len(self.sync.buckets)
+        for sync in self.syncs:
+            sync.pieces = [None] * len(sync.buckets)
 
     # ---- checkpoints: whole per-parameter states, as FusedAdamW's ------------------------------
     def segment_state(self, i: int, field: str) -> Tensor:

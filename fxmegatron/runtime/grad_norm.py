@@ -18,7 +18,7 @@ from fxmegatron.mesh import Axis
 
 def grad_norm(named_grads: Iterable[Tuple[str, torch.Tensor]], slot: Mapping[str, int],
               counts: Callable[[str], bool], axes: Mapping[str, Axis], device,
-              partial_over: Optional[Axis] = None) -> torch.Tensor:
+              partial_over: Optional[Axis] = None, sum_over: Tuple[str, ...] = ("tp", "pp", "ep")) -> torch.Tensor:
     """fp32, on the device, no host sync; collective over tp and pp. ``named_grads``: (parameter
     name, its gradient on this rank); with ``partial_over``, pieces of it (a name may come more
     than once), the squares then summed over that axis first (sharded data parallelism's
@@ -26,7 +26,8 @@ def grad_norm(named_grads: Iterable[Tuple[str, torch.Tensor]], slot: Mapping[str
     name of the whole model -> its place in the model's order; ``counts(name)``: whether this
     rank's square of ``name`` is counted: once per tp shard (a weight replicated over tp counts
     on tp rank 0 only) and on one pipeline rank (a tied weight's first holder). A gradient that
-    is not counted but is not finite makes the norm NaN."""
+    is not counted but is not finite makes the norm NaN. ``sum_over``: the axes the squares are
+    summed over after ``partial_over``'s."""
     idx: List[int] = []
     grads: List[torch.Tensor] = []
     uncounted: List[torch.Tensor] = []
@@ -51,7 +52,7 @@ def grad_norm(named_grads: Iterable[Tuple[str, torch.Tensor]], slot: Mapping[str
         sq[-1] = (torch.stack(torch._foreach_norm(uncounted, 2.0, dtype=torch.float32)) * 0.0).sum()
     if partial_over is not None and partial_over.size > 1:
         dist.all_reduce(sq, group=partial_over.group)
-    for dim in ("tp", "pp", "ep"):
+    for dim in sum_over:
         if dim in axes and axes[dim].size > 1:
             dist.all_reduce(sq, group=axes[dim].group)
     return (sq[:-1].sum() + sq[-1]).sqrt()

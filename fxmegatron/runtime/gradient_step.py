@@ -14,7 +14,7 @@ from fxmegatron.runtime.sharded_dp import SHARDED_OPTIMIZER
 
 class GradientStep:
     """What ``ParallelModel`` does with its gradients; it sets ``program``, ``dp_shard``,
-    ``tp_rank``, ``pp_rank`` and ``grad_sync``, and calls ``gradient_setup``."""
+    ``tp_rank``, ``pp_rank``, ``grad_sync`` and ``grad_syncs``, and calls ``gradient_setup``."""
 
     def gradient_setup(self, program) -> None:
         pipe = program.pipeline
@@ -27,8 +27,9 @@ class GradientStep:
         if self.placement(name) == R and self.tp_rank != 0:
             return False
         ep = self.program.axes.get("ep")
-        if ep is not None and ep.size > 1 and name not in self.program.experts and ep.rank != 0:
-            return False        # replicated over ep: counted on its first rank
+        if ep is not None and ep.size > 1 and name not in self.program.experts and ep.rank != 0 \
+                and self.dp_shard not in SHARDED_OPTIMIZER:
+            return False        # replicated over ep: counted on its first rank (a piece: on its own)
         holders = self._holders.get(name)
         return holders is None or holders[0] == self.pp_rank
 
@@ -38,9 +39,12 @@ class GradientStep:
         tp and pp (every rank must call it)."""
         sync = self.program.axes.get("dp_cp", self.program.axes["dp"])
         if self.dp_shard in SHARDED_OPTIMIZER:      # each rank holds its pieces' sum; the squares add up over the group
-            named = self.grad_sync.named_pieces({id(p): n for n, p in self.named_parameters()})
+            names = {id(p): n for n, p in self.named_parameters()}
+            named = [piece for s in self.grad_syncs for piece in s.named_pieces(names)]
+            # an expert's elements are each on one rank of dp as well (ep cuts the experts, the
+            # experts' own group their pieces, ep × that group = dp): no sum over ep after dp's
             return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
-                             partial_over=sync)
+                             partial_over=sync, sum_over=("tp", "pp"))
         named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]
         return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
                          partial_over=sync if self.dp_shard == "full" else None)
@@ -55,7 +59,7 @@ class GradientStep:
         from fxmegatron.optim.sharded_adamw import ShardedAdamW
         params = list(self.parameters()) if params is None else params
         if self.dp_shard in SHARDED_OPTIMIZER:
-            return ShardedAdamW(self.grad_sync, params, **hyper)
+            return ShardedAdamW(self.grad_syncs, params, **hyper)
         return FusedAdamW(params, **hyper)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

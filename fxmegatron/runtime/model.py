@@ -102,9 +102,13 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
                                        every_microbatch=self.dp_shard == "gradients", sum_dtype=grad_accum_dtype,
                                        replicas=replicas.group if replicas is not None and replicas.size > 1 else None)
             if experts:
+                # under a sharded optimizer the experts' state is sharded over the ranks holding
+                # the same experts (Megatron's expert-data-parallel group), a group of one at dp = ep
                 edp = ax["edp"]
                 self._expert_sync = GradSync([p for p in self.parameters() if id(p) in experts], uses, edp.group,
-                                             edp.size, divisor=self.dp_size, rank=edp.rank)
+                                             edp.size, divisor=self.dp_size, shard=self.dp_shard != "none",
+                                             rank=edp.rank, every_microbatch=self.dp_shard == "gradients",
+                                             sum_dtype=grad_accum_dtype)
         if dist.is_initialized():
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
                                pipe.stage.shared if pipe is not None else (),
@@ -151,6 +155,12 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
     def grad_sync(self) -> Optional[GradSync]:
         """The data-parallel gradient reduction (None at one dp·cp rank and under "full")."""
         return self._grad_sync
+
+    @property
+    def grad_syncs(self) -> List[GradSync]:
+        """Every gradient reduction: ``grad_sync``, and under expert parallelism the experts' own
+        (over the ranks holding the same experts)."""
+        return [s for s in (self._grad_sync, self._expert_sync) if s is not None]
 
     @property
     def dp_group(self):

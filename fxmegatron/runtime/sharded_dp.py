@@ -99,6 +99,8 @@ def reduce_scatter_bucket(grads: Sequence[torch.Tensor], world: int, group):
     offsets, padded = bucket_layout([g.numel() for g in grads], world)
     flat = grads[0].new_zeros(padded)
     torch._foreach_copy_([flat[o:o + g.numel()] for o, g in zip(offsets, grads)], [g.reshape(-1) for g in grads])
+    if world == 1:          # a group of one (the experts' at dp = ep): the piece is the bucket
+        return flat, Done(), flat
     piece = flat.new_empty(padded // world)
     if _simulated(group):
         piece.copy_(communicator(group).reduce_scatter(flat.view(world, -1)))
@@ -116,6 +118,9 @@ def all_reduce(flat: torch.Tensor, group):
 
 def all_gather(out: torch.Tensor, piece: torch.Tensor, group, async_op: bool = False):
     """Every rank's ``piece`` into ``out``, in rank order."""
+    if out.numel() == piece.numel():        # a group of one
+        out.copy_(piece.reshape(-1))
+        return Done() if async_op else None
     if _simulated(group):
         out.copy_(communicator(group).all_gather(piece).reshape(-1))
         return Done() if async_op else None

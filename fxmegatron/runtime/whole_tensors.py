@@ -14,7 +14,7 @@ from fxmegatron.runtime.sharded_dp import SHARDED_OPTIMIZER, all_gather
 
 class WholeTensors:
     """What ``ParallelModel`` gathers; it sets ``program``, ``dp_shard``, ``pp_size`` and
-    ``grad_sync``."""
+    ``grad_syncs``."""
 
     def param_dims(self, name: str) -> int:
         """How many dims parameter ``name`` has in the unmodified model (a rule such as "no weight
@@ -66,6 +66,6 @@ class WholeTensors:
         ax, layout = self.program.axes, self.program.param_layout
         grads = {n: p.grad for n, p in self.named_parameters() if p.grad is not None}
         if self.dp_shard in SHARDED_OPTIMIZER:
-            whole = self.grad_sync.whole_grads()
+            whole = {k: g for s in self.grad_syncs for k, g in s.whole_grads().items()}
             grads = {n: whole[id(p)] for n, p in self.named_parameters() if id(p) in whole}
         return {n: gather_layout(self.whole_local(n, g), layout(n), ax) for n, g in grads.items()}
