@@ -56,7 +56,7 @@ VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}
 # not change it; the run fields are parallelize's; dp_shard is a keyword of its own (below), and
 # dp_replicate is read from the layout handed in (the trainer's --dry-run), where it divides the shards
 # ep: the trainer's --dry-run refuses ep > 1 (plan_run does not count the experts' shards yet)
-PLAN_LEFT_OUT = {"ep", "fuse", "dp_shard", "dp_replicate", "compile", "tp_comm_overlap", "tp_comm_transport", "precision", "fp8_recipe",
+PLAN_LEFT_OUT = {"fuse", "dp_shard", "dp_replicate", "compile", "tp_comm_overlap", "tp_comm_transport", "precision", "fp8_recipe",
                  "fp8_policy", "chunked", "state_dict", "seed", "verbose", "verify", "min_split"}
 # dp_shard: a keyword of plan_run that scales the bytes per rank, not a field the plan builds its graph with
 PLAN_OTHER_KEYWORDS = {"param_dtype", "optimizer", "device", "picture", "layout", "dp_shard"}

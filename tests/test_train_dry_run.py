@@ -44,9 +44,10 @@ def test_gpt_tiny_dry_run():
     assert "dp 1 × pp 2 × tp 2 = 4 ranks" in r.stdout and "Memory per rank" in r.stdout
 
 
-def test_ep_dry_run_is_refused_by_name(tmp_path):
-    """The plan does not count expert parallelism's shards yet: at layout.ep > 1 the dry run says
-    so rather than print whole experts per rank."""
+def test_ep_dry_run_counts_each_ranks_experts(tmp_path):
+    """At layout.ep = 2 the dry run plans each rank's half of every block's experts (with the
+    sharded optimizer, their state over the ranks holding the same experts): its parameters
+    per rank and the other ep rank's experts add up to the model."""
     import numpy as np
 
     from tests.test_train_expert_parallel import save_mixtral
@@ -58,8 +59,14 @@ def test_ep_dry_run_is_refused_by_name(tmp_path):
         "model": {"kind": "hf", "path": str(tmp_path / "mixtral")},
         "data": {"kind": "tokens", "train": str(tmp_path / "train.bin"), "token_dtype": "uint16",
                  "seq_len": 16, "global_batch": 4},
-        "layout": {"dp": 2, "ep": 2},
+        "layout": {"dp": 2, "ep": 2, "dp_shard": "optimizer"},
     })
     r, _ = dry_run(str(cfg))
-    assert r.returncode != 0, r.stdout
-    assert "the dry-run plan of ep=2" in r.stdout and "plan the layout at ep=1" in r.stdout, r.stdout
+    assert r.returncode == 0, r.stdout
+    assert "ep 2 (folded onto dp: each rank holds 0.5 of every block's experts)" in r.stdout, r.stdout
+    assert "the experts' over 1 (the ranks holding the same experts)" in r.stdout, r.stdout
+    m = re.search(r"sum of stages ([\d,]+) \+ the other ep ranks' experts ([\d,]+) = model ([\d,]+) \+ tied "
+                  r"copies 0", r.stdout)
+    assert m, r.stdout
+    held, others, model = (int(x.replace(",", "")) for x in m.groups())
+    assert held + others == model and 0 < others < held, r.stdout

@@ -225,3 +225,30 @@ def test_hybrid_sharding_divides_by_one_replica_groups_ranks():
     assert hybrid.stages[0].param_bytes == -(-none.stages[0].param_bytes // 2)
     assert flat.stages[0].param_bytes == -(-none.stages[0].param_bytes // 4)
     assert "split over 2 ranks (dp·cp / dp_replicate)" in hybrid.format()
+
+
+def test_expert_parallelism_counts_each_ranks_experts_and_shards_their_state_apart():
+    """ep: every expert weight (an HF Qwen3-MoE's ``mlp.experts.*``) is held 1/ep a rank, the rest
+    whole; with dp_shard="optimizer" at dp4 × ep2 the experts' state is over the 2 ranks holding
+    them and the rest over 4; activations grow by the tokens the dispatcher gathers."""
+    from fxmegatron.layout import Layout
+    from tests.workers.loss_split import moe_batch, qwen3_moe
+    model, batch = qwen3_moe(False), moe_batch(0, rows=8)
+    whole = {n: p.numel() for n, p in model.named_parameters()}
+    kw = dict(optimizer="fused_adamw", device="cpu")
+    one, ep2, sharded = (plan_run(model, batch, layout=Layout(**lay), **kw) for lay in
+                         (dict(dp=2), dict(dp=2, ep=2), dict(dp=4, ep=2, dp_shard="optimizer")))
+    experts = {n for n in whole if ".mlp.experts." in n}
+    assert experts
+    for plan in (ep2, sharded):
+        st = plan.stages[0]
+        for n, k in st.local.items():
+            assert k * (2 if n in experts else 1) == whole[n], n
+        assert st.experts == sum(whole[n] for n in experts) // 2
+        assert st.stage_params + st.expert_stage == one.stages[0].stage_params == plan.model_params
+    s1, st = ep2.stages[0], sharded.stages[0]
+    dense = s1.optimizer_bytes - s1.expert_optimizer_bytes
+    assert st.optimizer_bytes == -(-dense // 4) + -(-s1.expert_optimizer_bytes // 2)
+    assert s1.optimizer_bytes < one.stages[0].optimizer_bytes
+    assert s1.activation_bytes > one.stages[0].activation_bytes
+    assert "the experts' over 2 (the ranks holding the same experts)" in sharded.format()

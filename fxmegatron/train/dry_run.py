@@ -3,7 +3,6 @@ with no process group and no weights: parameters and memory per rank, the schedu
 step costs in FLOPs."""
 from __future__ import annotations
 
-from fxmegatron.errors import ShardingError
 from fxmegatron.train.metrics import flops_per_token
 from fxmegatron.train.plan import plan_run
 from fxmegatron.train.setup import Prepared
@@ -13,9 +12,6 @@ def print_plan(prep: Prepared) -> None:
     cfg = prep.cfg
     batch = prep.batch(prep.train.windows(0), "cpu")
     device = "cpu" if cfg.run.device == "cpu" else "cuda"
-    if prep.layout.ep > 1:      # plan_run's layout fields (PLANNED) have no ep: it would count whole experts
-        raise ShardingError(f"the dry-run plan of ep={prep.layout.ep}: it does not count expert parallelism's "
-                            "shards yet (each rank's E/ep experts); plan the layout at ep=1 for an upper bound")
     plan = plan_run(prep.source.model, batch, layout=prep.layout, param_dtype=prep.dtype,
                     optimizer="fused_adamw" if cfg.optim.fused else "adamw", device=device)
     print(f"config: {cfg.source}")

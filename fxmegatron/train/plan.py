@@ -32,25 +32,16 @@ from fxmegatron.capture import capture
 from fxmegatron.compiler import first_microbatch
 from fxmegatron.layout import RECOMPUTE_MODES, SCHEDULE_NAMES, Layout
 from fxmegatron.lower.rank import build_rank
+from fxmegatron.lower.rank_passes import EXPERT_CUT
 from fxmegatron.placement import R, Shard, local_shape, shard_slices
 from fxmegatron.schedules import Schedule, simulate
-from fxmegatron.train.plan_memory import (OPTIMIZER_NOTES, OPTIMIZERS, byte_unit, grad_bytes, in_flight,
+from fxmegatron.train.plan_memory import (OPTIMIZERS, grad_bytes, in_flight,
                                           optimizer_bytes, saved_by_chunks, timeline_text)
 
 # the layout's fields the plan reads; the others (fuse, compile, fp8, tp_comm_overlap) change
 # kernels and communication, not what a rank holds or saves, and are left out of the plan
 PLANNED = ("dp", "pp", "cp", "tp", "sequence_parallel", "recompute", "microbatches", "virtual_stages", "schedule",
-           "blocks_per_chunk", "grad_accum_dtype", "cp_attention")
-
-FORMULA = ("total = parameters + gradients + optimizer state + activations (+ recompute); activations = the "
-           "most, over the rank's schedule, of the sum of saved(chunk) over the (microbatch, chunk) pairs in "
-           "flight (one chunk per rank: saved per microbatch × peak microbatches in flight); recompute = the "
-           "largest recomputed region's activations, held while its backward runs it")
-CAVEAT = ("an estimate: no allocator overhead or fragmentation, no temporary buffers (workspaces, a "
-          "backward's transient gradients, the loss's fp32 scratch beyond what it saves), no communication "
-          "buffers (pipeline sends, data-parallel buckets, gathers); attention counted as a fused kernel; dropout "
-          "> 0 counted in its torch form (a 1-byte mask per element; the GPU kernel redraws it)")
-
+           "blocks_per_chunk", "grad_accum_dtype", "cp_attention", "ep")
 
 @dataclass
 class StagePlan:
@@ -72,6 +63,12 @@ class StagePlan:
     activation_bytes: int
     recompute_bytes: int = 0           # the largest recomputed region, while its backward runs it
     local: Dict[str, int] = field(default_factory=dict)   # parameter -> its elements on each tp rank
+    # expert parallelism: of the above, the rank's E/ep experts (its tp shards of them), their
+    # distinct elements over the stage's tp ranks, and their gradient and optimizer bytes
+    experts: int = 0
+    expert_stage: int = 0
+    expert_grad_bytes: int = 0
+    expert_optimizer_bytes: int = 0
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -113,6 +110,7 @@ class RunPlan:
     cp: int = 1                        # context parallelism: activations are cp rank 0's two chunks
     dp_shard: str = "none"             # what the dp·cp ranks shard (counted per rank)
     shard_ranks: int = 1               # the ranks sharing each piece (dp·cp, or / dp_replicate)
+    ep: int = 1                        # expert parallelism: each rank holds E/ep experts of every block
 
     @property
     def tied_copies(self) -> int:
@@ -120,11 +118,8 @@ class RunPlan:
         return sum(self.tied_numel[n] * (len(r) - 1) for n, r in self.tied.items())
 
     def format(self) -> str:
-        return "\n".join(_format(self))
-
-
-SHARDED = {"optimizer": "its state", "gradients": "gradients and optimizer state", "full": "parameters (one "
-           "block's gathered besides; compiled on GPUs, overlapped), gradients and optimizer state"}
+        from fxmegatron.train.plan_text import plan_lines
+        return "\n".join(plan_lines(self))
 
 
 def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: int = 1, tp: int = 1,
@@ -132,7 +127,8 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
              schedule: Optional[str] = None, param_dtype: Optional[torch.dtype] = None, optimizer: str = "adamw",
              grad_accum_dtype: Optional[torch.dtype] = None, blocks_per_chunk: Optional[Sequence[int]] = None,
              device: str = "cuda", picture: Optional[str] = None, cp: int = 1,
-             cp_attention: str = "ring", layout: Optional[Layout] = None, dp_shard: str = "none") -> RunPlan:
+             cp_attention: str = "ring", layout: Optional[Layout] = None, dp_shard: str = "none",
+             ep: int = 1) -> RunPlan:
     """The plan of a run (module docstring). ``example_global_batch``: one optimizer step's
     batch over all data-parallel ranks (split over dp, then into ``microbatches``, as
     ``parallelize`` splits it). ``param_dtype``: the dtype the parameters train in (the
@@ -143,7 +139,9 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     holds as much), with ``cp_attention``. ``layout``: a ``Layout`` in place of the layout's
     keywords (dp, pp, tp, cp and the options). ``dp_shard`` (or the layout's, over dp·cp /
     dp_replicate ranks): "optimizer" (its state), "gradients" (gradients too) or "full" (parameters
-    too; the transient gathered block left out, as the caveat says of gathers)."""
+    too; the transient gathered block left out, as the caveat says of gathers). ``ep``: expert
+    parallelism folded onto dp (each rank E/ep experts of every block; under ``dp_shard`` their
+    pieces over dp·cp / ep ranks)."""
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
@@ -155,7 +153,8 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     else:
         cfg = Layout(dp=dp, pp=pp, tp=tp, cp=cp, sequence_parallel=sequence_parallel, recompute=recompute,
                      microbatches=microbatches, virtual_stages=virtual_stages, schedule=schedule,
-                     blocks_per_chunk=blocks_per_chunk, grad_accum_dtype=grad_accum_dtype, cp_attention=cp_attention)
+                     blocks_per_chunk=blocks_per_chunk, grad_accum_dtype=grad_accum_dtype, cp_attention=cp_attention,
+                     ep=ep)
     dp, pp, tp, cp, microbatches = cfg.dp, cfg.pp, cfg.tp, cfg.cp, cfg.microbatches
     grad_accum_dtype = cfg.grad_accum_dtype
     sched = cfg.make_schedule()        # the layout's errors before the capture's seconds
@@ -165,6 +164,7 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
     # no materialisation and no boundary propagation: the activations' run on meta finds the boundaries
     built = build_rank(cap, cfg, {}, None, {})
     local, tp_plan = built.local, built.plan
+    experts = local.meta.get(EXPERT_CUT, ({},))[0]     # expert parameters (ep > 1): cut to E/ep on each rank
     example = [n.meta["val"] for n in local.graph.nodes if n.op == "placeholder"]
     if built.chunks is not None:
         chunks = built.chunks
@@ -188,15 +188,22 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
             holders.setdefault(n, set()).add(c % pp)
     placements = dict(tp_plan.param_plc)
     stages = [_stage(r, sorted(c for c in saved if c % pp == r), uses, holders, blocks, saved, sched, cap.params,
-                     placements, tp, optimizer, grad_accum_dtype is not None, microbatches) for r in range(pp)]
+                     placements, tp, optimizer, grad_accum_dtype is not None, microbatches, experts, cfg.ep)
+              for r in range(pp)]
     for st in stages:
         st.recompute_bytes = max(regions[c] for c in st.chunks)
     dp_shard = layout.dp_shard if layout is not None else dp_shard
     shards = dp * cp // (layout.dp_replicate if layout is not None else 1) if dp_shard != "none" else 1
+    # the experts' pieces over the ranks holding the same experts (dp·cp / ep)
+    expert_shards = max(shards // cfg.ep, 1)
+
+    def share(total: int, expert: int) -> int:
+        return -(-(total - expert) // shards) - (-expert // expert_shards)
+
     for st in stages:       # each rank's share (the padding of each piece left out)
-        st.optimizer_bytes = -(-st.optimizer_bytes // shards)
+        st.optimizer_bytes = share(st.optimizer_bytes, st.expert_optimizer_bytes)
         if dp_shard in ("gradients", "full"):
-            st.grad_bytes = -(-st.grad_bytes // shards)
+            st.grad_bytes = share(st.grad_bytes, st.expert_grad_bytes)
         if dp_shard == "full":
             st.param_bytes = -(-st.param_bytes // shards)
     tied = {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
@@ -221,7 +228,8 @@ def plan_run(model_on_meta: nn.Module, example_global_batch, dp: int = 1, pp: in
         tied_numel={n: cap.params[n].numel() for n in tied},
         bubble=res.overall_bubble_fraction if res else None, timeline=timeline_text(sched, res) if res else "",
         coverage=built.coverage.summary() if tp > 1 else "",
-        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes), cp=cp, dp_shard=dp_shard, shard_ranks=shards)
+        seconds=time.perf_counter() - t0, notes=notes + list(cap.notes), cp=cp, dp_shard=dp_shard, shard_ranks=shards,
+        ep=cfg.ep)
 
 
 def _in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> nn.Module:
@@ -241,31 +249,41 @@ def _even(shape, plc: Shard, tp: int) -> bool:
 
 
 def _stage(r: int, chunks: List[int], uses, holders, blocks, saved, sched: Optional[Schedule], params,
-           placements, tp: int, optimizer: str, grad_accum: bool, microbatches: int) -> StagePlan:
+           placements, tp: int, optimizer: str, grad_accum: bool, microbatches: int, experts=(), ep: int = 1
+           ) -> StagePlan:
     used = [n for c in chunks for n in uses[c]]
     names = sorted(set(used))
     # as the runtime: fp32 sums where a gradient accumulates more than once a step (several
     # microbatches, or a weight two chunks of the rank use)
     fp32_sums = grad_accum and (microbatches > 1 or len(used) > len(names))
-    split = replicated = nbytes = 0
+    split = replicated = nbytes = expert = expert_stage = 0
     trainable: List[Tuple[int, torch.dtype]] = []
+    trainable_experts: List[Tuple[int, torch.dtype]] = []
     local = {}
     for n in names:
         t, plc = params[n], placements.get(n, R)
-        k = local[n] = _numel(t.shape, plc, tp)
+        # an expert weight: its tp shard, cut to this rank's E/ep experts (ep divides E: checked)
+        k = local[n] = _numel(t.shape, plc, tp) // (ep if n in experts else 1)
         if isinstance(plc, Shard):
             split += k
         else:
             replicated += k
         nbytes += k * t.element_size()
+        if n in experts:
+            expert += k
+            expert_stage += k * tp if isinstance(plc, Shard) else k
         if t.requires_grad:
             trainable.append((k, t.dtype))
+            if n in experts:
+                trainable_experts.append((k, t.dtype))
     mine = {c: saved[c] for c in chunks}
     act, peak = in_flight(sched, r, mine)
     return StagePlan(r, tuple(chunks), tuple(blocks[c] for c in chunks), split + replicated, split, replicated,
                      split * tp + replicated, tuple(n for n in names if len(holders[n]) > 1), nbytes,
                      grad_bytes(trainable, fp32_sums), optimizer_bytes(trainable, optimizer), mine, peak, act,
-                     local=local)
+                     local=local, experts=expert, expert_stage=expert_stage,
+                     expert_grad_bytes=grad_bytes(trainable_experts, fp32_sums),
+                     expert_optimizer_bytes=optimizer_bytes(trainable_experts, optimizer))
 
 
 def _units_label(units: Sequence[str]) -> str:
@@ -280,69 +298,6 @@ def _units_label(units: Sequence[str]) -> str:
     if "post" in units:
         parts.append("head+loss")
     return ", ".join(parts)
-
-
-def _format(p: RunPlan) -> List[str]:
-    dt = str(p.param_dtype).replace("torch.", "")
-    world = p.dp * p.pp * p.cp * p.tp
-    sched = (f"schedule {p.schedule}, {p.pp} pipeline ranks × {p.virtual_stages} chunk(s) each"
-             if p.schedule else "no pipeline (gradient accumulation)" if p.microbatches > 1 else "no pipeline")
-    size = f" ({p.model_params / 1e9:.2f} B)" if p.model_params >= 1e9 else \
-        f" ({p.model_params / 1e6:.1f} M)" if p.model_params >= 1e6 else ""
-    out = [f"fxmegatron dry-run plan: {p.model}, {p.model_params:,} parameters{size}, {dt}",
-           f"layout: dp {p.dp} × pp {p.pp} × {f'cp {p.cp} × ' if p.cp > 1 else ''}tp {p.tp} = {world} ranks; "
-           f"sequence parallel "
-           f"{'on' if p.sequence_parallel else 'off'}; recompute {p.recompute}; {sched}; "
-           f"{p.microbatches} microbatch(es) of {', '.join(p.microbatch)} per dp rank",
-           f"optimizer {p.optimizer} ({OPTIMIZER_NOTES[p.optimizer]}); gradients {dt}"
-           + (" + fp32 sums over the microbatches" if p.grad_accum_dtype is not None else "")
-           + (f"; dp_shard {p.dp_shard}: {SHARDED[p.dp_shard]} split over {p.shard_ranks} ranks (dp·cp"
-              f"{'' if p.shard_ranks == p.dp * p.cp else ' / dp_replicate'})" if p.dp_shard != "none" else ""),
-           ""]
-    out.append(f"Parameters per rank (elements; tp ranks of a stage hold shards of equal shape: tp rank 0 "
-               f"shown, 'stage' = split × {p.tp} + replicated)")
-    out.append(f"  {'pp':>2} {'per tp rank':>15} {'split over tp':>15} {'replicated':>13} {'stage':>15}  "
-               "chunks: what they run")
-    for s in p.stages:
-        runs = "; ".join(f"{c}: {units}" for c, units in zip(s.chunks, s.blocks))
-        out.append(f"  {s.pp_rank:>2} {s.params:>15,} {s.split:>15,} {s.replicated:>13,} {s.stage_params:>15,}  "
-                   f"{runs}")
-    total = sum(s.stage_params for s in p.stages)
-    out.append(f"  sum of stages {total:,} = model {p.model_params:,} + tied copies {p.tied_copies:,}"
-               + (f" − {p.unused_numel:,} in {len(p.unused)} parameter(s) no chunk uses: {', '.join(p.unused[:3])}"
-                  if p.unused else ""))
-    for name, ranks in sorted(p.tied.items()):
-        also = [a for a, c in p.aliases.items() if c == name and a != name]
-        out.append(f"  tied: {name}{' (also ' + ', '.join(also) + ')' if also else ''} is held by pp ranks "
-                   f"{', '.join(map(str, ranks))}: a copy on each, counted once per holder; their gradients "
-                   "are summed over pp")
-    for a, c in sorted(p.aliases.items()):
-        if a != c and c not in p.tied:
-            out.append(f"  tied: {a} is {c}: one parameter, counted once")
-    if p.coverage:
-        out += ["  " + line for line in p.coverage.splitlines()]
-    unit, scale = byte_unit(max(s.total_bytes for s in p.stages))
-
-    def b(n: int) -> str:
-        return f"{n / scale:.2f}"
-
-    rc = any(s.recompute_bytes for s in p.stages)
-    out += ["", f"Memory per rank ({unit}, estimate; tp ranks alike: tp rank 0 shown)",
-            f"  {'pp':>2} {'params':>8} {'grads':>8} {'optimizer':>10} {'activations':>12}  "
-            f"{'(chunk: saved per microbatch × most in flight)':<46}" + (f" {'recompute':>10}" if rc else "")
-            + f" {'total':>8}"]
-    for s in p.stages:
-        per = ", ".join(f"{c}: {b(s.saved[c])} × {s.in_flight[c]}" for c in s.chunks)
-        out.append(f"  {s.pp_rank:>2} {b(s.param_bytes):>8} {b(s.grad_bytes):>8} {b(s.optimizer_bytes):>10} "
-                   f"{b(s.activation_bytes):>12}  {per:<46}" + (f" {b(s.recompute_bytes):>10}" if rc else "")
-                   + f" {b(s.total_bytes):>8}")
-    worst = max(p.stages, key=lambda s: s.total_bytes)
-    out += [f"  largest: pp rank {worst.pp_rank}, {b(worst.total_bytes)} {unit}", f"  {FORMULA}", f"  {CAVEAT}"]
-    if p.schedule:
-        out += ["", f"Schedule {p.schedule}: p={p.pp}, v={p.virtual_stages}, m={p.microbatches}; bubble fraction "
-                    f"{p.bubble:.3f} (idle / compute; a stage's forward = 1 cell, backward = 2)", p.timeline]
-    out += ["", *[f"note: {n}" for n in p.notes], f"planned in {p.seconds:.1f} s"]
-    return out
 
 
 def llama8b(layers: int = 32, seq: int = 8192) -> nn.Module:
@@ -361,8 +316,8 @@ def _parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--llama8b", action="store_true", help="a Llama-3-8B-shaped HF model")
     src.add_argument("--hf-config-json", help="an HF config.json; the causal LM it describes, on meta")
-    for name, default in (("dp", 1), ("pp", 1), ("cp", 1), ("tp", 1), ("virtual-stages", 1), ("microbatches", 1),
-                          ("seq", 8192), ("micro-batch-size", 1)):
+    for name, default in (("dp", 1), ("pp", 1), ("cp", 1), ("tp", 1), ("ep", 1), ("virtual-stages", 1),
+                          ("microbatches", 1), ("seq", 8192), ("micro-batch-size", 1)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--schedule", choices=SCHEDULE_NAMES)
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
@@ -388,7 +343,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan = plan_run(model, {"input_ids": ids, "labels": ids}, dp=a.dp, pp=a.pp, tp=a.tp, cp=a.cp,
                     sequence_parallel=a.sequence_parallel, recompute=a.recompute, virtual_stages=a.virtual_stages,
                     microbatches=a.microbatches, schedule=a.schedule, param_dtype=getattr(torch, a.dtype),
-                    optimizer=a.optimizer, grad_accum_dtype=torch.float32 if a.grad_accum_fp32 else None,
+                    optimizer=a.optimizer, grad_accum_dtype=torch.float32 if a.grad_accum_fp32 else None, ep=a.ep,
                     picture=a.picture)
     print(plan.format())
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")

@@ -25,9 +25,8 @@ it and its pipeline chunk. Where forward values all agree, it names the microbat
 loss differs, or the loss weighting, or the parameter whose gradient differs, the chunks
 and pipeline ranks that hold it and the nodes that use it (and, when gradients are
 wrong only up to some chunk, that chunk's boundary). The pipeline schedule itself is
-checked by ``schedules.simulate``. Models with dropout are compared with dropout off
-(eval-mode keys); the masks themselves are keyed by element index and cannot depend on
-the layout.
+checked by ``schedules.simulate``. Models with dropout are compared with dropout off (eval-mode
+keys); the masks themselves are keyed by element index and cannot depend on the layout.
 
 With context parallelism (``cp``), every cp × tp rank of a replica runs (``run_grid``: a
 simulated tp group per cp rank, a cp group per tp rank, ``cp_attention``'s exchanges between
@@ -75,7 +74,7 @@ from fxmegatron.verify.pipeline import (average_over_replicas, boundary_diagnosi
                                         chunk_of_node, holders, join_experts, replica_weights, run_step,
                                         step_microbatches, sum_shared_grads)
 from fxmegatron.verify.context import cp_view, sum_over_cp
-from fxmegatron.verify.sharded import RuntimeReduction, join_dp_shards
+from fxmegatron.verify.sharded import RuntimeReduction, check_simulated, join_dp_shards
 from fxmegatron.verify.simulate import Recorder, run_grid, run_mesh
 
 aten = torch.ops.aten
@@ -195,10 +194,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
                      dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
     else:
         lay = Layout(**{n: getattr(layout, n) for n in VERIFIED})
-    if lay.ep > 1 and lay.dp_shard in SHARDED_OPTIMIZER:
-        raise VerificationError(f"verify(ep={lay.ep}, dp_shard={lay.dp_shard!r}): not simulated yet (the experts' "
-                                "pieces are reduced over their own group); verify the layout with dp_shard='none': "
-                                "the sharded optimizer changes no gradient, only where each piece is kept")
+    check_simulated(lay)
     tp, pp, dp, seed, cp = lay.tp, lay.pp, lay.dp, lay.seed, lay.cp
     microbatches, virtual_stages, schedule = lay.microbatches, lay.virtual_stages, lay.schedule
     sched_note = ""
