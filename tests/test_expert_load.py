@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxmegatron.ops.expert_load import RECORD, take_expert_counts
 from fxmegatron.passes.runner import check_shapes
 from tests.distributed import run_distributed
-from tests.workers.expert_load import ep_counts
+from tests.workers.expert_load import ep_counts, ep_counts_of
 
 
 def _graph():
@@ -87,3 +87,20 @@ def test_integer_histc_captured_on_meta_runs_on_the_cpu():
     assert counts.dtype == torch.int32 and counts.tolist() == [1, 2, 0, 2] and offsets.tolist() == [1, 3, 3, 5]
     floats = retarget_device(_graph(), torch.device("cpu"))        # histc of floats: left as it is
     assert torch.ops.aten._to_copy.default not in [n.target for n in floats.graph.nodes]
+
+
+def test_gathered_and_dense_dispatches_record_their_rows_too():
+    """Without a histogram in the graph the rewrite counts the rows itself: transformers'
+    batched_mm experts (the gathered dispatch) record what its grouped_mm experts record on the
+    same weights and batch, and every dispatch's rows add up to tokens × k over the ep ranks (Llama
+    4's dense dispatch: the scores that are not 0)."""
+    results = run_distributed(ep_counts_of, 2, ["gpt_oss", "gpt_oss@batched_mm", "llama4_text"])
+    for r in results:
+        assert r["gpt_oss@batched_mm"]["recorded"] == r["gpt_oss"]["recorded"], r
+    for name in ("gpt_oss", "gpt_oss@batched_mm", "llama4_text"):
+        blocks = results[0][name]["recorded"]
+        assert blocks, (name, results)
+        want = results[0][name]["tokens"] * results[0][name]["k"]
+        for block in blocks:
+            rows = [c for r in results for c in r[name]["recorded"][block]]
+            assert sum(rows) == want and len(rows) == 4, (name, block, rows, want)

@@ -41,6 +41,7 @@ from fxmegatron.lower.stages import token_counter
 from fxmegatron.passes.pipeline_split import Chunk
 from fxmegatron.passes.tensor_parallel import TPPlan
 from fxmegatron.passes.tp_coverage import Coverage
+from fxmegatron.placement import Shard, join_shards
 from fxmegatron.runtime.microbatches import loss_weights, split_batch
 from fxmegatron.schedules.runtime import TensorSpec, add_weighted
 from fxmegatron.verify.simulate import Recorder
@@ -208,7 +209,7 @@ def join_experts(per_replica: List[List[Dict[str, torch.Tensor]]], local: fx.Gra
                 pieces = [per_replica[first + e][r].get(name) for e in range(ep)]
                 if any(g is None for g in pieces):
                     continue
-                whole = torch.cat(pieces, dim) / ep
+                whole = join_shards(pieces, Shard(dim)) / ep
                 for e in range(ep):
                     out[first + e][r][name] = whole
     return out

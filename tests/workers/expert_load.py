@@ -39,3 +39,24 @@ def ep_counts(rank, world, dims, kw):
     out["ep"] = (ax["ep"].rank, ax["ep"].size)
     out["pp"] = ax["pp"].rank if "pp" in ax else 0
     return out
+
+
+def ep_counts_of(rank, world, names):
+    """Per model of ``names`` (tests/workers/sharded_dp.py's: "gpt_oss@batched_mm" the gathered
+    dispatch, "llama4_text" the dense one) at dp2 × ep2: what this rank recorded in one training
+    step ({block: rows per local expert}), the global batch's tokens and the model's top-k."""
+    import fxmegatron
+    from fxmegatron.ops.expert_load import take_expert_counts
+    from tests.workers.sharded_dp import _mesh, _model_and_batches
+
+    out = {}
+    for name in names:
+        model, batch = _model_and_batches(name)
+        pm = fxmegatron.parallelize(copy.deepcopy(model), _mesh({"dp": world}), batch(0), ep=2)
+        take_expert_counts()
+        b = batch(1)
+        pm.train_step(b)
+        cfg = getattr(model.config, "text_config", model.config)
+        out[name] = {"recorded": {n: t.tolist() for n, t in take_expert_counts().items()},
+                     "tokens": b["input_ids"].numel(), "k": cfg.num_experts_per_tok}
+    return out

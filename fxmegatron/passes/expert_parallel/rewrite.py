@@ -18,10 +18,11 @@ weights already cut to E/ep along their experts dim:
    An expert bias gathered by expert id reads its local row (sentinel rows clamped, then zeroed);
 5. the combine, this rank's experts' share of every gathered token's output, is
    reduce-scattered over ep: each rank gets the sum for its own T tokens (gradient: all-gather).
-6. where the block has a histogram (the sorted dispatch), that of step 3 (rows per local expert,
-   over all ep ranks' tokens) is recorded for the trainer's load-imbalance figure
-   (``ops.expert_load.record_expert_counts``, keyed by the block's module path; nothing reads
-   its output, and on fake tensors it does nothing).
+6. the rows per local expert over all ep ranks' tokens are recorded for the trainer's
+   load-imbalance figure (``ops.expert_load.record_expert_counts``, keyed by the block's module
+   path; nothing reads its output, and on fake tensors it does nothing): the histogram of step 3
+   where the block has one (the sorted dispatch), else counted from the local ids (the gathered
+   dispatch) or from the local scores that are not 0 (the dense one).
 
 Exactness: every gathered row is computed by the expert that computed it on one GPU; the
 rows of the other experts are exact zeros; the sum over ep adds each token's k products
@@ -125,8 +126,8 @@ def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
     rank takes its E/ep columns of every ep rank's scores and its E/ep blocks of the [E, ep·T, h]
     rows; the sum over experts is then this rank's share, reduce-scattered over ep."""
     E, local_e = b.num_experts, b.num_experts // ep
-    rows = _node(by_name, b.rows, b)
-    tokens = _dense_tokens(rows, b, by_name)
+    # the [T, h] tokens the dense rows ([E, T, h]: their product with the scores) repeat
+    tokens = _node(by_name, b.tokens, b)
     weights = _node(by_name, b.router.weights, b)
     combine = _node(by_name, b.combine, b)
     region = _region(combine, {tokens, weights})
@@ -140,6 +141,9 @@ def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
     with graph.inserting_before(_next(last)):
         tok_g, w_g = (graph.call_function(gather_seq, (src, 0, ep, group)) for src in (tokens, weights))
         w_l = graph.call_function(aten.slice.Tensor, (w_g, 1, lo, lo + local_e))
+    with graph.inserting_before(_next(w_l)):     # a token's row for an expert: its score is not 0
+        _record(graph, graph.call_function(aten.sum.dim_IntList, (graph.call_function(aten.ne.Scalar, (w_l, 0)), [0])),
+                b, combine)
     swap = {tokens: tok_g, weights: w_l}
     for n in region:
         n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
@@ -155,12 +159,6 @@ def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
                 size[0] = T * ep
             n.args = (*n.args[:at], size, *n.args[at + 1:])
     _leave(graph, b, combine, region, ep, group)
-
-
-def _dense_tokens(rows: fx.Node, b: ExpertsBlock, by_name) -> fx.Node:
-    """The [T, h] tokens the dense rows repeat (``rows`` is the [E, T, h] view of their product
-    with the scores): the descriptor's, as the rank's graph reads them."""
-    return _node(by_name, b.tokens, b)
 
 
 def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int, group: str) -> None:
@@ -221,6 +219,13 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
             rec = graph.call_function(RECORD_EXPERT_COUNTS, (counts, b.module))
         if "nn_module_stack" in counts.meta:      # the block's own: a pipeline cut or recompute keeps it there
             rec.meta["nn_module_stack"] = counts.meta["nn_module_stack"]
+    else:       # no histogram (the gathered dispatch): the rows per local expert counted from the ids
+        with graph.inserting_before(_next(w_l)):
+            flat = graph.call_function(aten.reshape.default, (ids_l, [-1]))
+            bins = graph.call_function(aten.new_zeros.default, (flat, [local_e + 1]))
+            ones = graph.call_function(aten.ones_like.default, (flat,))
+            hist = graph.call_function(aten.scatter_add.default, (bins, 0, flat, ones))
+            _record(graph, graph.call_function(aten.slice.Tensor, (hist, 0, 0, local_e)), b, combine)
     # 4: the rows of other ranks' experts (the sentinel's: sorted last in the sorted dispatch) zeroed
     # around each expert matmul, and expert weights and biases gathered by a row's id read a local row
     grouped = _node(by_name, b.grouped_by, b)
@@ -242,6 +247,14 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         mm.args = (xin, *mm.args[1:])
         _mask_output(graph, mm, valid)
     _leave(graph, b, combine, region, ep, group)
+
+
+def _record(graph: fx.Graph, counts: fx.Node, b: ExpertsBlock, combine: fx.Node) -> None:
+    """Step 6 for a block without a histogram: ``counts`` (rows per local expert over every ep
+    rank's tokens) recorded for the trainer's load figure, in the block's module."""
+    rec = graph.call_function(RECORD_EXPERT_COUNTS, (counts, b.module))
+    if "nn_module_stack" in combine.meta:
+        rec.meta["nn_module_stack"] = combine.meta["nn_module_stack"]
 
 
 def _leave(graph: fx.Graph, b: ExpertsBlock, combine: fx.Node, region: List[fx.Node], ep: int, group: str) -> None:
