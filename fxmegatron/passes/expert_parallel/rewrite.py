@@ -136,18 +136,15 @@ def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
     if E == T:
         raise ExpertParallelError(f"expert parallelism of {b.module}: {T} tokens and {E} experts: a size of {E} "
                                   "could count either; trace with another batch size")
-    last = max((tokens, weights), key=lambda n: _order(graph, n))
     lo = rank * local_e
-    with graph.inserting_before(_next(last)):
-        tok_g, w_g = (graph.call_function(gather_seq, (src, 0, ep, group)) for src in (tokens, weights))
+    tok_g, w_g = _gather(graph, (tokens, weights), ep, group)
+    with graph.inserting_before(_next(w_g)):
         w_l = graph.call_function(aten.slice.Tensor, (w_g, 1, lo, lo + local_e))
     with graph.inserting_before(_next(w_l)):     # a token's row for an expert: its score is not 0
         _record(graph, graph.call_function(aten.sum.dim_IntList, (graph.call_function(aten.ne.Scalar, (w_l, 0)), [0])),
                 b, combine)
-    swap = {tokens: tok_g, weights: w_l}
+    _swap(region, {tokens: tok_g, weights: w_l})
     for n in region:
-        n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
-        n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
         at = DENSE_SIZE_ARGS.get(n.target)
         if at is not None and len(n.args) > at and isinstance(n.args[at], (list, tuple)) and n.args[at]:
             size = list(n.args[at])
@@ -185,13 +182,10 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         raise ExpertParallelError(f"expert parallelism of {b.module}: the rows per expert {counts.name} are "
                                   f"{counts.target}{tuple(counts.args[1:])}, not histc(ids, {E}, 0, {E - 1})")
 
-    # 1-2: the gathered inputs, ids remapped, weights of other ranks' experts zeroed; all after the
-    # last of the three (an op between a gather and its source, such as the weights' in-place
-    # renormalisation, would otherwise sit past a collective that recompute cuts its regions at)
-    last = max((tokens, ids, weights), key=lambda n: _order(graph, n))
+    # 1-2: the gathered inputs, ids remapped, weights of other ranks' experts zeroed
     lo = rank * local_e
-    with graph.inserting_before(_next(last)):
-        tok_g, ids_g, w_g = (graph.call_function(gather_seq, (src, 0, ep, group)) for src in (tokens, ids, weights))
+    tok_g, ids_g, w_g = _gather(graph, (tokens, ids, weights), ep, group)
+    with graph.inserting_before(_next(w_g)):
         ge = graph.call_function(aten.ge.Scalar, (ids_g, lo))
         lt = graph.call_function(aten.lt.Scalar, (ids_g, lo + local_e))
         mine = graph.call_function(aten.logical_and.default, (ge, lt))
@@ -200,10 +194,7 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         ids_l = graph.call_function(aten.where.self, (mine, shifted, sentinel))
         zero = graph.call_function(aten.zeros_like.default, (w_g,))
         w_l = graph.call_function(aten.where.self, (mine, w_g, zero))
-    swap = {tokens: tok_g, ids: ids_l, weights: w_l}
-    for n in region:
-        n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
-        n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
+    _swap(region, {tokens: tok_g, ids: ids_l, weights: w_l})
     # 3: sizes that count tokens, and the histogram's bins. A view or expand counts tokens only where
     # it reads the gathered inputs (a view of an expert weight keeps its sizes); a new tensor's size
     # (arange, zeros, ...) has no input to tell, and is read by its value
@@ -247,6 +238,22 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         mm.args = (xin, *mm.args[1:])
         _mask_output(graph, mm, valid)
     _leave(graph, b, combine, region, ep, group)
+
+
+def _gather(graph: fx.Graph, sources: Sequence[fx.Node], ep: int, group: str) -> List[fx.Node]:
+    """Step 1: each of ``sources`` all-gathered over ep, one after the other, after the last of
+    them (an op between a gather and its source, such as the routing weights' in-place
+    renormalisation, would otherwise sit past a collective that recompute cuts its regions at)."""
+    last = max(sources, key=lambda n: _order(graph, n))
+    with graph.inserting_before(_next(last)):
+        return [graph.call_function(gather_seq, (src, 0, ep, group)) for src in sources]
+
+
+def _swap(region: List[fx.Node], swap: Mapping[fx.Node, fx.Node]) -> None:
+    """Every node of ``region`` reads the gathered (or remapped) values in place of the block's inputs."""
+    for n in region:
+        n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
+        n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
 
 
 def _record(graph: fx.Graph, counts: fx.Node, b: ExpertsBlock, combine: fx.Node) -> None:
