@@ -21,14 +21,15 @@ LAYOUTS = {"dp2": {"dp": 2}, "dp2-small": {"dp": 2}, "dp4": {"dp": 4}, "dp2-tp2"
            "grads-dp2-pp2-v2-small": {"dp": 2, "pp": 2}, "grads-dp2-cp2-m2": {"dp": 2, "cp": 2},
            # expert parallelism folded onto dp: the experts' state sharded over the ranks holding the
            # same experts (none at dp = ep, two at dp4 ep2), the rest over dp
-           "ep2-dp2": {"dp": 2}, "grads-ep2-dp4-m2": {"dp": 4}}
+           "ep2-dp2": {"dp": 2}, "grads-ep2-dp4-m2": {"dp": 4}, "ep2-dp2-pp2-m2": {"dp": 2, "pp": 2}}
 GRADS = {"dp_shard": "gradients"}
 KW = {"dp2-pp2": {"microbatches": 2, "virtual_stages": 2},
       "grads-dp2-m4-small": {**GRADS, "microbatches": 4}, "grads-dp4-m2": {**GRADS, "microbatches": 2},
       "grads-dp2-tp2-m2": {**GRADS, "microbatches": 2, "sequence_parallel": True},
       "grads-dp2-pp2-v2-small": {**GRADS, "microbatches": 4, "virtual_stages": 2},
       "grads-dp2-cp2-m2": {**GRADS, "microbatches": 2},
-      "ep2-dp2": {"ep": 2}, "grads-ep2-dp4-m2": {**GRADS, "ep": 2, "microbatches": 2}}
+      "ep2-dp2": {"ep": 2}, "grads-ep2-dp4-m2": {**GRADS, "ep": 2, "microbatches": 2},
+      "ep2-dp2-pp2-m2": {"ep": 2, "microbatches": 2}}
 
 
 def _check(per_rank, world):
@@ -53,7 +54,7 @@ def test_sharded_optimizer_steps_match(layout):
     # HF tied and MoE at dp2, the bundled GPT and HF untied GQA under tp; GPT-2's tied embedding across pp
     names = {"dp2": ("gpt2", "mixtral"), "dp2-tp2": ("gpt", "llama"), "grads-dp2-m4-small": ("gpt2", "mixtral"),
              "grads-dp4-m2": ("llama",), "grads-dp2-tp2-m2": ("gpt",), "ep2-dp2": ("mixtral", "qwen2_moe"),
-             "grads-ep2-dp4-m2": ("qwen3_moe",)}.get(layout, ("gpt2",))
+             "grads-ep2-dp4-m2": ("qwen3_moe",), "ep2-dp2-pp2-m2": ("mixtral",)}.get(layout, ("gpt2",))
     small = layout.endswith("small")
     per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, KW.get(layout), small)
     _check(per_rank, world)
