@@ -33,7 +33,7 @@ def plan_lines(p: "RunPlan") -> List[str]:
            f"layout: dp {p.dp} × pp {p.pp} × {f'cp {p.cp} × ' if p.cp > 1 else ''}tp {p.tp} = {world} ranks; "
            + (f"ep {p.ep} (folded onto dp: each rank holds {1 / p.ep:.3g} of every block's experts); " if p.ep > 1
               else "")
-           + f"sequence parallel "
+           + "sequence parallel "
            f"{'on' if p.sequence_parallel else 'off'}; recompute {p.recompute}; {sched}; "
            f"{p.microbatches} microbatch(es) of {', '.join(p.microbatch)} per dp rank",
            f"optimizer {p.optimizer} ({OPTIMIZER_NOTES[p.optimizer]}); gradients {dt}"

@@ -207,9 +207,7 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         # the rows per local expert over every ep rank's tokens, kept for the trainer's load figure
         # (``ops.expert_load``: an effectful op, no output, a no-op on fake tensors)
         with graph.inserting_before(_next(counts)):
-            rec = graph.call_function(RECORD_EXPERT_COUNTS, (counts, b.module))
-        if "nn_module_stack" in counts.meta:      # the block's own: a pipeline cut or recompute keeps it there
-            rec.meta["nn_module_stack"] = counts.meta["nn_module_stack"]
+            _record(graph, counts, b, combine)
     else:       # no histogram (the gathered dispatch): the rows per local expert counted from the ids
         with graph.inserting_before(_next(w_l)):
             flat = graph.call_function(aten.reshape.default, (ids_l, [-1]))
@@ -257,8 +255,8 @@ def _swap(region: List[fx.Node], swap: Mapping[fx.Node, fx.Node]) -> None:
 
 
 def _record(graph: fx.Graph, counts: fx.Node, b: ExpertsBlock, combine: fx.Node) -> None:
-    """Step 6 for a block without a histogram: ``counts`` (rows per local expert over every ep
-    rank's tokens) recorded for the trainer's load figure, in the block's module."""
+    """Step 6: ``counts`` (rows per local expert over every ep rank's tokens) recorded for the
+    trainer's load figure, in the block's module (a pipeline cut or recompute keeps it there)."""
     rec = graph.call_function(RECORD_EXPERT_COUNTS, (counts, b.module))
     if "nn_module_stack" in combine.meta:
         rec.meta["nn_module_stack"] = combine.meta["nn_module_stack"]
