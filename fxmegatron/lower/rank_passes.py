@@ -38,6 +38,7 @@ from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.recompute import RecomputePolicy, apply_recompute
 from fxmegatron.passes.runner import Pass, check_shapes
 from fxmegatron.passes.slice_writes import slice_writes_to_cat
+from fxmegatron.passes.tables_once import compute_tables_once
 from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
@@ -217,6 +218,7 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
                            requires={"local_shapes"}))
     if cfg.compile:     # after fuse: a GeLU a fused group took is not rewritten
         passes.append(Pass("gelu_for_inductor", gelu_tanh_through_sigmoid, requires={"local_shapes"}))
+        passes.append(Pass("tables_once", compute_tables_once, requires={"local_shapes"}))
     if device is not None and torch.device(device).type == "cuda":    # last: the other passes see SDPA
         passes.append(Pass("fused_attention_kernel", fused_attention_kernel, requires={"local_shapes"}))
     return passes
