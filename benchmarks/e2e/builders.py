@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxmegatron
+from fxmegatron.passes.fp8 import FP8Policy
 from fxmegatron.layout import Layout as FxLayout
 from e2e.master_weights import full_tensor, local_tensor
 from e2e.optimizers import make_optimizer
@@ -212,7 +213,8 @@ def fx_layout(lay, ref_state=None) -> FxLayout:
                     compile=lay.compile, tp_comm_overlap=lay.overlap, tp_comm_transport=lay.transport,
                     state_dict=ref_state, grad_accum_dtype=torch.float32 if lay.fp32_accum else None,
                     dp_shard="optimizer" if lay.zero1 else "full" if lay.zero3 else "none", dp_replicate=lay.rep,
-                    ep=lay.ep, **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}))
+                    ep=lay.ep, **({"precision": "fp8", "fp8_recipe": lay.fp8} if lay.fp8 else {}),
+                    **({"fp8_policy": FP8Policy(lm_head=True, name="all + lm head")} if lay.fp8_head else {}))
 
 
 def build_fx(lay, spec, dev, dtype, batch, meshes, ref_state=None, **_):

@@ -28,6 +28,7 @@ class Layout:
     async_tp: bool = False      # native -async: torch's async TP (symmetric memory + inductor's micro-pipeline)
     fp8: str = ""               # fx -fp8 / -fp8row: parallelize(precision="fp8", fp8_recipe=tensorwise / rowwise);
                                 # compile -ao / -aorow: torchao float8 training, the same recipes
+    fp8_head: bool = False      # fx -fp8head: FP8 tensorwise with the LM head in FP8 too (FP8Policy(lm_head=True))
     per_layer: bool = False     # compile -layers: each decoder layer compiled, the rest eager (torchtitan's habit)
     liger: bool = False         # compile -layers-liger: and Liger's RMSNorm, SwiGLU and fused linear cross-entropy
     zero1: bool = False         # fx -zero1: parallelize(dp_shard="optimizer"), the optimizer built by pm.adamw
@@ -58,7 +59,7 @@ class Layout:
             return {"eager": "the plain model, eager", "compile": "the plain model, torch.compile",
                     "native": f"PyTorch-native DTensor TP, tp {self.tp}"
                               + (", async TP" if self.async_tp else "")}[self.kind]
-        what = "fxmegatron" + (f" ep={self.ep}" if self.ep > 1 else "") + (" dp_shard=optimizer" if self.zero1 else "") + (" dp_shard=full" if self.zero3 else "") + (f" dp_replicate={self.rep}" if self.rep > 1 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "")
+        what = "fxmegatron" + (f" ep={self.ep}" if self.ep > 1 else "") + (" dp_shard=optimizer" if self.zero1 else "") + (" dp_shard=full" if self.zero3 else "") + (f" dp_replicate={self.rep}" if self.rep > 1 else "") + (" fuse=True" if self.fuse else "") + (f" fp8 {self.fp8}" if self.fp8 else "") + (" (LM head in FP8 too)" if self.fp8_head else "")
         if self.compile:
             return what + " + compile" + (f" ({self.compile})" if isinstance(self.compile, str) else "")
         return what + (", the rest eager" if self.fuse else ", eager")
@@ -104,6 +105,8 @@ def parse_layout(name: str, pp_microbatches: int) -> Layout:
             lay.fadam = True
         elif head == "fx" and tok in ("fp8", "fp8row"):
             lay.fp8 = {"fp8": "tensorwise", "fp8row": "rowwise"}[tok]
+        elif head == "fx" and tok == "fp8head":
+            lay.fp8, lay.fp8_head = "tensorwise", True
         elif head == "compile" and tok in ("ao", "aorow"):
             lay.fp8 = {"ao": "tensorwise", "aorow": "rowwise"}[tok]
         elif head == "compile" and tok == "layers":
