@@ -12,8 +12,9 @@ computed once, saved once for the backward.
 A *table* (precondition per node): a floating tensor computed from no parameter (only from
 buffers, the batch and constants), through at least one transcendental op (cos, sin, exp, log,
 pow, ...: what makes recomputing it cost arithmetic), read by a value that does depend on a
-parameter, read by more than one op (through views: the layers' reads), and at most ``MAX_ELEMENTS`` elements (a bigger one, such as an ALiBi bias over
-s × s, stays as inductor has it: memory before arithmetic). The op wraps the table's last
+parameter, read by more than one op (through views: the layers' reads), and at most
+``MAX_ELEMENTS`` elements (a bigger one, such as an ALiBi bias over s × s, stays as inductor
+has it: memory before arithmetic). The op wraps the table's last
 value-changing node (a cast to the model's dtype, say), below the views each reader takes of it.
 Values are unchanged: the op returns a copy of its input.
 """
@@ -51,10 +52,6 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
         return False
 
 
-def _inputs(n: fx.Node):
-    return [a for a in n.all_input_nodes]
-
-
 def _same_dtype_cast(n: fx.Node) -> bool:
     if n.target not in (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device):
         return False
@@ -73,8 +70,8 @@ def _static_nodes(gm: fx.GraphModule) -> Dict[fx.Node, bool]:
     for n in gm.graph.nodes:
         if n.op == "placeholder" or (n.op == "get_attr" and not _is_parameter(gm, n.target)):
             costly[n] = False
-        elif n.op == "call_function" and all(a in costly for a in _inputs(n)):
-            costly[n] = n.target in TRANSCENDENTAL or any(costly[a] for a in _inputs(n))
+        elif n.op == "call_function" and all(a in costly for a in n.all_input_nodes):
+            costly[n] = n.target in TRANSCENDENTAL or any(costly[a] for a in n.all_input_nodes)
     return costly
 
 
@@ -100,7 +97,7 @@ def compute_tables_once(gm: fx.GraphModule) -> int:
     how many."""
     costly = _static_nodes(gm)
     tables: Set[fx.Node] = set()
-    for n, _ in costly.items():
+    for n in costly:
         if any(u not in costly for u in n.users):
             t = _table(n, costly)
             if t is not None and _readers(t) > 1:
@@ -108,8 +105,6 @@ def compute_tables_once(gm: fx.GraphModule) -> int:
     op = computed_once._opoverload
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for t in sorted(tables, key=order.__getitem__):
-        if any(u.target is op for u in t.users):
-            continue
         with gm.graph.inserting_after(t):
             once = gm.graph.call_function(op, (t,))
         once.meta["val"] = torch.empty_like(t.meta["val"])
