@@ -9,7 +9,11 @@ its GPU time on, to see what holds a layout back. ``--gaps N``: the N longest st
 no kernel running (the "idle" of the breakdown), each with the kernels on either side and
 the CPU op running when the GPU went idle, to tell launch latency from a host wait.
 ``--against B``: each kernel's time and count in A and in B side by side, largest
-difference first, and the difference by class: which kernels one layout runs longer.
+difference first, and the difference by class: which kernels one layout runs longer. It also
+prints how much longer the matmul and attention kernels that both traces launch alike (same
+name, grid and count) ran in A: the same kernel on the same shapes takes the same time at the
+same clocks, so a ratio far from 1 says the two steps ran at different clocks (power, heat),
+and their milliseconds are not comparable kernel by kernel (their shares are).
 """
 import argparse
 import collections
@@ -51,8 +55,9 @@ def main():
         print_gaps(events, args.gaps)
     total, count = sum_kernels(events, args.by_grid)
     if args.against:
-        return print_against(total, count, *sum_kernels(kernel_events(args.against), args.by_grid),
-                             args.top)
+        other = kernel_events(args.against)
+        print_against(total, count, *sum_kernels(other, args.by_grid), args.top)
+        return print_clock_check(events, other)
     every = sum(total.values())
     if not every:
         sys.exit(f"{args.trace}: no kernel events")
@@ -97,6 +102,24 @@ def print_against(total_a, count_a, total_b, count_b, top):
     print("\nby class, A / B ms: " + ", ".join(
         f"{c} {by_a[c] / 1e3:.2f} / {by_b[c] / 1e3:.2f}" for c in sorted(set(by_a) | set(by_b))))
     print(f"all kernels: A {sum(total_a.values()) / 1e3:.2f} ms, B {sum(total_b.values()) / 1e3:.2f} ms")
+
+
+def same_kernel_ratio(events_a, events_b):
+    """(A's time / B's over the matmul and attention kernels both launch alike: same name, grid
+    and count; how many such kernels), or (None, 0) when they share none."""
+    (ta, ca), (tb, cb) = sum_kernels(events_a, True), sum_kernels(events_b, True)
+    alike = [k for k in ta if k in tb and ca[k] == cb[k] and kernel_class(k) in ("matmul", "attention")]
+    b = sum(tb[k] for k in alike)
+    return (sum(ta[k] for k in alike) / b, len(alike)) if b else (None, 0)
+
+
+def print_clock_check(events_a, events_b):
+    ratio, n = same_kernel_ratio(events_a, events_b)
+    if ratio is None:
+        print("no matmul or attention kernel launched alike in both: no clock check")
+        return
+    print(f"the {n} matmul/attention kernels both launch alike (name, grid, count) ran {ratio:.3f}x as long in A"
+          + ("" if abs(ratio - 1) < 0.03 else ": the steps ran at different clocks; compare shares, not ms"))
 
 
 def print_gaps(events, top):
