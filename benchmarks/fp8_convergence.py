@@ -53,14 +53,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:    # a plain `python benchmarks/...` on a machine without the package installed
     sys.path.insert(0, ROOT)
 
+from fxmegatron.passes.fp8 import FP8Policy  # noqa: E402  (after the path above)
+
 SOURCE = os.path.join(ROOT, "examples", "data", "tiny.txt")
 PRECISIONS = {"bf16": {},
               "fp8-tensorwise": {"precision": "fp8", "fp8_recipe": "tensorwise"},
               "fp8-rowwise": {"precision": "fp8", "fp8_recipe": "rowwise"},
               # tensorwise with the LM head in FP8 too (the default keeps it in bf16)
-              "fp8-tensorwise-head": {"precision": "fp8", "fp8_recipe": "tensorwise", "fp8_policy": "lm_head"}}
-# a policy named here by a string becomes fxmegatron's FP8Policy where the run is built
-POLICIES = {"lm_head": dict(lm_head=True, name="all + lm head")}
+              "fp8-tensorwise-head": {"precision": "fp8", "fp8_recipe": "tensorwise",
+                                      "fp8_policy": FP8Policy(lm_head=True, name="all + lm head")}}
 FULL = dict(layers=12, hidden=1024, heads=16, seq=1024, batch=16, steps=1000, warmup=50, data_mb=32,
             val_every=50, val_batches=8, log_every=50, tail=50)
 TINY = dict(layers=2, hidden=64, heads=4, seq=64, batch=4, steps=20, warmup=5, data_mb=1,
@@ -186,12 +187,8 @@ def train(name: str, args, dev, init: dict, batches, val_set) -> dict:
     with torch.device(dev):
         model = GPT(model_config(args)).to(torch.bfloat16 if cuda else torch.float32)
     # state_dict= overrides the model's own values (cast to its dtypes): the same start for every run
-    kw = dict(PRECISIONS[name])
-    if kw.get("fp8_policy") in POLICIES:
-        from fxmegatron.passes.fp8 import FP8Policy
-        kw["fp8_policy"] = FP8Policy(**POLICIES[kw["fp8_policy"]])
     pm = fxmegatron.parallelize(model, None, to_batch(batches.windows(0), dev), state_dict=init, compile=cuda,
-                                **kw)
+                                **PRECISIONS[name])
     del model
     named = list(pm.named_parameters())
     groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": args.weight_decay},

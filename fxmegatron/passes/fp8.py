@@ -33,12 +33,12 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from fxmegatron.capture import module_path
 from fxmegatron.errors import PrecisionError
 from fxmegatron.ops.fp8 import fp8_linear, recipe_of
 from fxmegatron.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from fxmegatron.passes.node_meta import is_parameter
 from fxmegatron.placement import Shard, placed
 
 aten = torch.ops.aten
@@ -104,15 +104,6 @@ class _Linear:
     why_not: str = ""        # a candidate that cannot be rewritten, and why
 
 
-def _is_param(gm: fx.GraphModule, n) -> bool:
-    if not (isinstance(n, fx.Node) and n.op == "get_attr"):
-        return False
-    try:
-        return isinstance(gm.get_parameter(n.target), nn.Parameter)
-    except AttributeError:
-        return False
-
-
 def _through_transposes(n) -> Tuple[object, int]:
     """(node under any chain of 2-D transposes, how many there were)."""
     flips = 0
@@ -150,7 +141,7 @@ def _as_linear(gm: fx.GraphModule, n: fx.Node) -> Optional[_Linear]:
         p, flips = _through_transposes(w)
         stored_in_out = flips % 2 == 0      # mm's right operand is [in, out]
     pv = p.meta.get("val") if isinstance(p, fx.Node) else None
-    if not _is_param(gm, p) or (isinstance(pv, torch.Tensor) and pv.dim() != 2):
+    if not is_parameter(gm, p) or (isinstance(pv, torch.Tensor) and pv.dim() != 2):
         return None
     lin = _Linear(n, x, p, stored_in_out, b)
     if n.target is aten.addmm.default:

@@ -24,10 +24,9 @@ from typing import Dict, Set
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from fxmegatron.ops.computed_once import computed_once
-from fxmegatron.passes.node_meta import copy_source
+from fxmegatron.passes.node_meta import copy_source, is_parameter
 
 aten = torch.ops.aten
 MAX_ELEMENTS = 1 << 26
@@ -43,13 +42,6 @@ SHAPE_ONLY = frozenset({
     aten.squeeze.dim, aten.squeeze.default, aten.expand.default, aten.transpose.int, aten.permute.default,
     aten.slice.Tensor, aten.select.int, aten.alias.default, aten.t.default, aten.detach.default,
 })
-
-
-def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
-    try:
-        return isinstance(gm.get_parameter(target), nn.Parameter)
-    except AttributeError:
-        return False
 
 
 def _same_dtype_cast(n: fx.Node) -> bool:
@@ -68,7 +60,7 @@ def _static_nodes(gm: fx.GraphModule) -> Dict[fx.Node, bool]:
     """Every node computed from no parameter -> whether a transcendental op is on its way."""
     costly: Dict[fx.Node, bool] = {}
     for n in gm.graph.nodes:
-        if n.op == "placeholder" or (n.op == "get_attr" and not _is_parameter(gm, n.target)):
+        if n.op == "placeholder" or (n.op == "get_attr" and not is_parameter(gm, n)):
             costly[n] = False
         elif n.op == "call_function" and all(a in costly for a in n.all_input_nodes):
             costly[n] = n.target in TRANSCENDENTAL or any(costly[a] for a in n.all_input_nodes)
