@@ -183,7 +183,10 @@ shapes, parameter counts and F.
 ``--check`` (float32) trains the plain model for the first two steps (with the run's
 optimizer) and compares every layout's first two losses and first gradient norm (before
 clipping) with it; more than 1e-4 relative anywhere, or a layout that fails, exits
-non-zero. fxmegatron layouts then get the plain model's weights (``state_dict=``);
+non-zero. ``--check --dtype bfloat16`` (one process, at the benchmarked shape): before timing,
+each row's first gradients, parameter by parameter, against the plain model's in float32, a
+row failing when one lands more than 2× as far off as the plain model's own bf16 step (+1e-3;
+e2e/grad_check.py); the timed rows then start from the checked weights. fxmegatron layouts then get the plain model's weights (``state_dict=``);
 otherwise they initialise their own shards (N(0, 0.02)), so their first loss differs
 slightly from eager's. An HF config with dropout fails the check (fxmegatron draws its own
 masks); the presets have none.
@@ -220,6 +223,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # benchmarks/
 
 import e2e  # noqa: E402,F401  (puts examples/ and the repository root on sys.path)
 from e2e.builders import initial_state, reference_losses  # noqa: E402
+from e2e.grad_check import build_row, check_bf16  # noqa: E402
 from e2e.layouts import check_layout, parse_layout  # noqa: E402
 from e2e.measure import matmul_tflops, merge_rounds, run_guarded  # noqa: E402
 from e2e.models import HF_MODELS, MODEL_NAMES, build_spec  # noqa: E402
@@ -271,7 +275,8 @@ def parse_args(argv=None):
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="MFU reference instead of the measured bf16 matmul")
     ap.add_argument("--check", action="store_true",
-                    help=f"compare every layout's first losses with the plain model's (float32, rel. {CHECK_RTOL})")
+                    help=f"compare every layout's first losses with the plain model's (float32, rel. {CHECK_RTOL}; "
+                         "bfloat16: each gradient, e2e/grad_check.py)")
     ap.add_argument("--json", default="", help="write every row and the run's settings here (rank 0)")
     ap.add_argument("--profile-dir", default="", help="write a chrome trace per layout (rank 0)")
     ap.add_argument("--no-profile", action="store_true", help="no profiled step (no breakdown)")
@@ -328,8 +333,8 @@ def main(argv=None):
     if spec is not None:    # the settings the run ended up with, for the header and --json
         args.layers, args.hidden, args.heads = spec.layers, spec.hidden, spec.heads
         args.seq, args.vocab, args.global_batch = spec.seq, spec.vocab, spec.batch
-    if args.check and args.dtype != "float32":
-        problems.append(f"--check compares losses to {CHECK_RTOL} relative: use --dtype float32")
+    if args.check and args.dtype == "bfloat16" and world > 1:
+        problems.append("--check in bfloat16 (e2e/grad_check.py) runs in one process: use --dtype float32 at world > 1")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         problems.append("--steps and --rounds must be >= 1 and --warmup >= 0")
     if args.interleave and args.rounds > 1:
@@ -390,7 +395,13 @@ def bench(args, spec, layouts, env, launcher):
         print("layouts: " + "; ".join(f"{lay.name}: {lay.label}" for lay in layouts), flush=True)
 
     ref_losses, ref_norm, ref_state = None, None, None
-    if args.check:
+    if args.check and dtype is torch.bfloat16:
+        # before timing: each row's first gradients against the plain model's, as exact as its bf16
+        build = functools.partial(build_row, spec=spec, dev=dev, batch=batch, meshes=meshes)
+        failed, ref_state = check_bf16(layouts, build, spec, dev, batch, lead)
+        if failed:
+            return 1
+    elif args.check:
         ref_losses, ref_norm, ref_state = reference_losses(spec, args, dev, dtype, batch,
                                                            steps=min(2, args.warmup + args.steps))
         if lead:
@@ -428,7 +439,7 @@ def bench(args, spec, layouts, env, launcher):
         print_rounds(rows)
         print_paired(rows)
         print_compile(rows)
-    if args.check:
+    if args.check and ref_losses is not None:
         failed_check = check_rows(rows, ref_losses, ref_norm, lead)
     if lead and args.json:
         write_json(args.json, command, dev_name, world, args, spec, peak_tflops, ref_losses, ref_norm, rows)
