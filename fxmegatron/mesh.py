@@ -43,8 +43,8 @@ def mesh_axes(mesh, dp_replicate: int = 1, ep: int = 1) -> Dict[str, Axis]:
     DeviceMesh, after checking it ("dp_cp": the ranks that hold the same parameters and sum their
     gradients, or under ``dp_replicate`` > 1 the ranks of one replica group, which shard them;
     "dp_replicate": the ranks that hold the same shard). ``ep`` > 1: expert parallelism folded onto
-    dp, "ep" the ep consecutive dp ranks that share their experts, "edp" the dp / ep ranks that hold
-    the same experts (their gradients summed over them)."""
+    dp, "ep" the ep consecutive dp ranks (at one cp rank) that share their experts, "edp" the ranks
+    that hold the same experts, dp / ep of them times cp (their gradients summed over them)."""
     if mesh is None:
         return {n: Axis() for n in ALL_AXES}
     # the tests' stand-ins (and any object with DeviceMesh's interface) pass; a device name,
@@ -109,7 +109,11 @@ def _experts(mesh, names, axes: Dict[str, Axis], ep: int) -> None:
         raise MeshError(f"ep={ep}: expert parallelism folds onto the data-parallel ranks, and the mesh's dp dim "
                         f"of {dp} does not split into groups of {ep}")
     split = _split_mesh(mesh, names, dp // ep, ep, ("edp", "ep"))
-    axes["ep"], axes["edp"] = _axis(split["ep"]), _axis(split["edp"])
+    axes["ep"] = _axis(split["ep"])
+    # every cp rank holds the same experts (an ep group sits at one cp rank; routing is per token),
+    # each their gradient over its part of the sequence: summed over the dp / ep ranks × cp
+    cp = axes["cp"].size > 1
+    axes["edp"] = _axis(split["edp", "cp"]._flatten("edp_cp") if cp else split["edp"])
 
 
 def _split_mesh(mesh, names, outer: int, inner: int, dims=("dp_replicate", "dp_shard")) -> DeviceMesh:

@@ -3,12 +3,15 @@ dispatcher of passes/expert_parallel/rewrite.py, docs/EXPERT_PARALLEL.md).
 
 On gloo, fp32, against the unmodified model: three SGD steps on different batches with masked
 labels give its loss (1e-5) and every whole gradient (1e-4 of the largest), each rank holding
-E/ep experts of every block, then eval_step's loss and the logits (1e-5); at ep 2 and 4, ep2 × tp2 with sequence parallelism, ep2 × pp2 and
-microbatches, for HF Mixtral, Qwen2-MoE (shared expert), OLMoE, Qwen3-MoE, DeepSeek-V3 (MLA, a
-sigmoid group router, a shared expert; also ep2 × tp2), gpt-oss (expert biases; also with
-transformers' batched_mm experts, the gathered dispatch) and Llama 4 (every token through every
-expert, the dense dispatch; ep4 holds one expert a rank). What it does not
-follow is refused before anything runs, naming the module (planning on one process)."""
+E/ep experts of every block, then eval_step's loss and the logits (1e-5; not under cp); at ep 2
+and 4, ep2 × tp2 with sequence parallelism, ep2 × pp2 and microbatches, dp2 × cp2 at ep2, for HF
+Mixtral, Qwen2-MoE (shared expert), OLMoE, Qwen3-MoE, DeepSeek-V3 (MLA, a sigmoid group router,
+a shared expert; also ep2 × tp2), gpt-oss (expert biases; also with transformers' batched_mm
+experts, the gathered dispatch) and Llama 4 (every token through every expert, the dense
+dispatch; ep4 holds one expert a rank). What it does not follow is refused before anything
+runs, naming the module (planning on one process)."""
+import re
+
 import pytest
 import torch
 
@@ -31,6 +34,8 @@ LAYOUTS = {
     # multi-head latent attention, a sigmoid group router and a shared expert; expert biases
     "dp2-ep2-deepseek-gpt_oss": ({"dp": 2}, ("deepseek_v3", "gpt_oss"), {"ep": 2}),
     "dp2-tp2-ep2-deepseek-gpt_oss-llama4": ({"dp": 2, "tp": 2}, ("deepseek_v3", "gpt_oss", "llama4_text"), {"ep": 2}),
+    # context parallelism: an ep group at each cp rank, the experts' gradients summed over edp × cp
+    "dp2-cp2-ep2": ({"dp": 2, "cp": 2}, ("qwen2_moe",), {"ep": 2}),
 }
 EXPERTS = 4     # every model here
 
@@ -87,10 +92,14 @@ def test_a_model_without_experts_and_forms_not_built_are_refused():
 def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
     with pytest.raises(ShardingError, match=r"the 6 of them do not split into groups of 4"):
         Layout(dp=6, ep=4)
-    with pytest.raises(ShardingError, match=r"ep=2, cp=2\): not built together yet"):
-        Layout(dp=2, cp=2, ep=2)
-    with pytest.raises(ShardingError, match=r"ep=2, dp_shard='full'\): not built together yet"):
-        Layout(dp=2, ep=2, dp_shard="full")
+    Layout(dp=2, cp=2, ep=2)        # built: the test above at dp2 × cp2
+    refused = {"dp_shard='full'": dict(dp_shard="full"), "dp_replicate=2": dict(dp_shard="optimizer", dp_replicate=2),
+               "precision='fp8'": dict(precision="fp8")}
+    for named, kw in refused.items():
+        for cp in (1, 2):       # with cp as without: refused naming the option, cp not among them
+            with pytest.raises(ShardingError, match=rf"ep=2, {re.escape(named)}\): not built together yet .*tested "
+                                                    r"with tp, sp, pp, cp, dp"):
+                Layout(dp=4, cp=cp, ep=2, **kw)
     Layout(dp=2, ep=2, dp_shard="optimizer")        # the sharded optimizer composes (tests/test_sharded_dp.py)
     with pytest.raises(ShardingError, match=r"ep=0\): a number of expert-parallel ranks"):
         Layout(ep=0)
@@ -98,6 +107,18 @@ def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
     model, b = _moe()
     with pytest.raises((ShardingError, MeshError), match=r"ep=2.*data-parallel ranks"):
         fxmegatron.parallelize(model, None, b, ep=2)
+
+
+def test_a_dense_dispatch_under_cp_is_refused_naming_the_block():
+    """Context parallelism runs a block on the rank's tokens; the dense dispatch's [E, T, h] rows
+    have no rule for it yet (Llama 4): refused by name, at ep2 as at ep1."""
+    from tests.test_expert_recognise import _moe_tp
+    from tests.workers.loss_split import moe_batch
+    model, b = _moe_tp("llama4_text")[0], moe_batch(0, rows=4)
+    for ep in (1, 2):
+        with pytest.raises(ShardingError, match=r"context parallelism of model\.layers\.0\.feed_forward: its experts "
+                                                r"are a dense dispatch .*leave cp at 1"):
+            _plan(model, b, dp=2, cp=2, ep=ep)
 
 
 @pytest.mark.parametrize("shard", ["none", "optimizer"])
@@ -114,15 +135,15 @@ def test_expert_shards_save_load_and_reshard_across_ep(tmp_path, shard):
 
 
 def test_verify_simulates_ep_and_names_a_wrong_dispatch(monkeypatch):
-    """verify runs every rank of dp × tp with its ep groups in one process: exact at ep2 (and
-    ep2 × tp2 + sp, dp4 with two ep groups); a combine that returns each rank's token sums one
-    row off is named at the first node reading the block's output."""
+    """verify runs every rank of dp × cp × tp with its ep groups in one process: exact at ep2 (and
+    ep2 × tp2 + sp, dp4 with two ep groups, dp2 × cp2 with an ep group per cp rank); a combine that
+    returns each rank's token sums one row off is named at the first node reading the block's output."""
     import fxmegatron
     from fxmegatron.errors import VerificationError
     from fxmegatron.passes.expert_parallel import rewrite
     from tests.workers.sharded_dp import _model_and_batches
     for name, kw in (("mixtral", dict(tp=1, dp=2, ep=2)), ("qwen2_moe", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
-                     ("qwen3_moe", dict(tp=1, dp=4, ep=2))):
+                     ("qwen3_moe", dict(tp=1, dp=4, ep=2)), ("qwen2_moe", dict(tp=1, dp=2, cp=2, ep=2))):
         model, batch = _model_and_batches(name)
         report = fxmegatron.verify(model, batch(0), **kw)
         assert report.max_grad_err < 1e-4 and abs(report.loss - report.loss_ref) <= 1e-5 * report.loss_ref, report

@@ -20,8 +20,9 @@ LAYOUTS = {"dp2": {"dp": 2}, "dp2-small": {"dp": 2}, "dp4": {"dp": 4}, "dp2-tp2"
            "grads-dp2-m4-small": {"dp": 2}, "grads-dp4-m2": {"dp": 4}, "grads-dp2-tp2-m2": {"dp": 2, "tp": 2},
            "grads-dp2-pp2-v2-small": {"dp": 2, "pp": 2}, "grads-dp2-cp2-m2": {"dp": 2, "cp": 2},
            # expert parallelism folded onto dp: the experts' state sharded over the ranks holding the
-           # same experts (none at dp = ep, two at dp4 ep2), the rest over dp
-           "ep2-dp2": {"dp": 2}, "grads-ep2-dp4-m2": {"dp": 4}, "ep2-dp2-pp2-m2": {"dp": 2, "pp": 2}}
+           # same experts (none at dp = ep, two at dp4 ep2 and at dp2 × cp2 ep2), the rest over dp × cp
+           "ep2-dp2": {"dp": 2}, "grads-ep2-dp4-m2": {"dp": 4}, "ep2-dp2-pp2-m2": {"dp": 2, "pp": 2},
+           "grads-ep2-dp2-cp2-m2": {"dp": 2, "cp": 2}}
 GRADS = {"dp_shard": "gradients"}
 KW = {"dp2-pp2": {"microbatches": 2, "virtual_stages": 2},
       "grads-dp2-m4-small": {**GRADS, "microbatches": 4}, "grads-dp4-m2": {**GRADS, "microbatches": 2},
@@ -29,7 +30,7 @@ KW = {"dp2-pp2": {"microbatches": 2, "virtual_stages": 2},
       "grads-dp2-pp2-v2-small": {**GRADS, "microbatches": 4, "virtual_stages": 2},
       "grads-dp2-cp2-m2": {**GRADS, "microbatches": 2},
       "ep2-dp2": {"ep": 2}, "grads-ep2-dp4-m2": {**GRADS, "ep": 2, "microbatches": 2},
-      "ep2-dp2-pp2-m2": {"ep": 2, "microbatches": 2}}
+      "ep2-dp2-pp2-m2": {"ep": 2, "microbatches": 2}, "grads-ep2-dp2-cp2-m2": {**GRADS, "ep": 2, "microbatches": 2}}
 
 
 def _check(per_rank, world):
@@ -54,7 +55,8 @@ def test_sharded_optimizer_steps_match(layout):
     # HF tied and MoE at dp2, the bundled GPT and HF untied GQA under tp; GPT-2's tied embedding across pp
     names = {"dp2": ("gpt2", "mixtral"), "dp2-tp2": ("gpt", "llama"), "grads-dp2-m4-small": ("gpt2", "mixtral"),
              "grads-dp4-m2": ("llama",), "grads-dp2-tp2-m2": ("gpt",), "ep2-dp2": ("mixtral", "qwen2_moe"),
-             "grads-ep2-dp4-m2": ("qwen3_moe",), "ep2-dp2-pp2-m2": ("mixtral",)}.get(layout, ("gpt2",))
+             "grads-ep2-dp4-m2": ("qwen3_moe",), "ep2-dp2-pp2-m2": ("mixtral",),
+             "grads-ep2-dp2-cp2-m2": ("qwen3_moe",)}.get(layout, ("gpt2",))
     small = layout.endswith("small")
     per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, KW.get(layout), small)
     _check(per_rank, world)
@@ -73,12 +75,12 @@ def test_sharded_optimizer_steps_match(layout):
             for r in res.values():
                 assert r["state_bytes"] <= 12 * r["param_numel"] / dims["dp"] * 1.1, r["state_bytes"]
     if layout.startswith(("ep", "grads-ep")):
-        # this rank's E/ep experts over the dp/ep ranks holding them, the rest over dp (and padding)
-        ep = KW[layout]["ep"]
+        # this rank's E/ep experts over the dp/ep × cp ranks holding them, the rest over dp × cp (and padding)
+        ep, ranks = KW[layout]["ep"], dims["dp"] * dims.get("cp", 1)
         for res in per_rank:
             for r in res.values():
                 assert r["expert_numel"] > 0, r
-                want = 12 * ((r["param_numel"] - r["expert_numel"]) / dims["dp"] + r["expert_numel"] * ep / dims["dp"])
+                want = 12 * ((r["param_numel"] - r["expert_numel"]) / ranks + r["expert_numel"] * ep / ranks)
                 assert 0.95 * want <= r["state_bytes"] <= 1.1 * want, (r["state_bytes"], want)
 
 

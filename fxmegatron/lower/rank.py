@@ -61,10 +61,12 @@ def rank_axes(layout, coords: Mapping[str, int], groups: Mapping[str, str]) -> D
     out["dp_cp"] = Axis(size, coords.get("dp_cp", dp % group_dp * layout.cp + coords.get("cp", 0)),
                         groups.get("dp_cp", ""), tuple(range(size)))
     out["dp_replicate"] = Axis(replicas, dp // group_dp, groups.get("dp_replicate", ""), tuple(range(replicas)))
-    # expert parallelism: ep consecutive dp ranks share their experts (``mesh.mesh_axes``)
+    # expert parallelism: ep consecutive dp ranks share their experts, and the dp / ep ranks × cp
+    # holding the same ones sum their gradients (dp-major, as ``mesh.mesh_axes`` flattens them)
     ep = getattr(layout, "ep", 1)
     out["ep"] = Axis(ep, coords.get("ep", dp % ep), groups.get("ep", ""), tuple(range(ep)))
-    out["edp"] = Axis(layout.dp // ep, dp // ep, groups.get("edp", ""), tuple(range(layout.dp // ep)))
+    edp = layout.dp // ep * layout.cp
+    out["edp"] = Axis(edp, dp // ep * layout.cp + coords.get("cp", 0), groups.get("edp", ""), tuple(range(edp)))
     return out
 
 

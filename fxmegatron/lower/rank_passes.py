@@ -108,9 +108,14 @@ def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
     then the graph cut to this rank's part of the sequence, and its shapes propagated."""
     if cp.size == 1:
         return []
+
+    def cut(gm):
+        # a mixture-of-experts block runs on the rank's tokens (found here where ep did not find it)
+        blocks = gm.meta[EXPERTS] if EXPERTS in gm.meta else find_experts(gm)
+        return apply_context_parallel(gm, cp.size, cp.rank, CP_AXIS, cap.params.keys(), variant, blocks)
+
     return [Pass("attention_rewrites", attention_rewrites),
-            Pass("context_parallel", lambda gm: apply_context_parallel(gm, cp.size, cp.rank, CP_AXIS,
-                                                                       cap.params.keys(), variant)),
+            Pass("context_parallel", cut),
             Pass("cp_local_shapes", check_local_shapes)]
 
 

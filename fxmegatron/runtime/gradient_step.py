@@ -41,8 +41,8 @@ class GradientStep:
         if self.dp_shard in SHARDED_OPTIMIZER:      # each rank holds its pieces' sum; the squares add up over the group
             names = {id(p): n for n, p in self.named_parameters()}
             named = [piece for s in self.grad_syncs for piece in s.named_pieces(names)]
-            # an expert's elements are each on one rank of dp as well (ep cuts the experts, the
-            # experts' own group their pieces, ep × that group = dp): no sum over ep after dp's
+            # an expert's elements are each on one rank of dp × cp as well (ep cuts the experts, the
+            # experts' own group their pieces, ep × that group = dp × cp): no sum over ep after it
             return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
                              partial_over=sync, sum_over=("tp", "pp"))
         named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]

@@ -94,7 +94,8 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
             alone = {id(p) for n, p in self.named_parameters() if n in shared}
             replicas = ax.get("dp_replicate")       # hybrid sharding: the same pieces' holders in other groups
             # expert parallelism: an expert weight's gradient holds the sum over its ep group's tokens
-            # already; it is summed over the dp / ep ranks holding the same experts, then / dp as the rest
+            # already; it is summed over the ranks holding the same experts (dp / ep of them, × cp: each
+            # cp rank's over its part of the sequence), then / dp as the rest
             experts = self._expert_params()
             self._grad_sync = GradSync([p for p in self.parameters() if id(p) not in experts], uses, sync.group,
                                        sync.size, divisor=self.dp_size,

@@ -11,9 +11,11 @@ Each cp rank runs the whole model on its part of the sequence (chunks r and 2·c
 * whole (``R``, or ``Replicate(seq=...)``: a sequence known but not split): every rank holds
   it (they must agree).
 
-Two kinds of node hold no share of the original's value and are not compared: a mean loss
+Three kinds of node hold no share of the original's value and are not compared: a mean loss
 the rewrite turned into this rank's sum (its divisor, the count over every rank, comes in a
-node of its own) and a mean over the sequence, divided by cp in a node after it. Attention
+node of its own), a mean over the sequence, divided by cp in a node after it, and the rows
+inside a mixture-of-experts block (this rank's tokens' rows in the dispatch's order; the
+block's combine is compared). Attention
 is replaced by ``cp_attention``: its output node stands for the original attention node.
 """
 from __future__ import annotations
@@ -64,7 +66,8 @@ def cp_view(gm: fx.GraphModule, tp: int) -> Optional[CPView]:
         return None
     view = CPView(plan.cp, tp, plan.seq, {n.name: p for n, p in plan.plc.items()},
                   {n.name: r for n, r in plan.rules.items()},
-                  {n.name for n in plan.mean_losses} | {n.name for n in plan.mean_divisor})
+                  {n.name for n in plan.mean_losses} | {n.name for n in plan.mean_divisor}
+                  | {n.name for n in plan.experts})
     view.stands_for = {n.meta["cp_replaces"]: n.name for n in gm.graph.nodes if "cp_replaces" in n.meta}
     return view
 

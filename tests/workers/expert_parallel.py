@@ -45,13 +45,14 @@ def ep_parity(rank, world, dims, names, kw, steps=3):
             opt.step()
             pm.zero_grad()
         # forward only, after the steps (dropout-free models): eval_step's loss, and the logits where
-        # there is no pipeline (each rank runs the same pieces of the batch: collective over ep)
+        # there is no pipeline (each rank runs the same pieces of the batch: collective over ep) and
+        # no cp (a cp rank's logits are its chunks of the sequence)
         b = batch(30)
         with torch.no_grad():
             out_ref = ref(**b) if isinstance(b, dict) else None
         evals = (pm.eval_step(b).item(), out_ref.loss.item())
         logits_err = None
-        if pm.program.pipeline is None:
+        if pm.program.pipeline is None and "cp" not in dims:
             logits_err = ((pm.logits(b) - out_ref.logits).abs().max() / out_ref.logits.abs().max()).item()
         out[name] = {"losses": losses, "losses_ref": losses_ref, "errs": errs, "eval": evals, "logits_err": logits_err,
                      "experts": {n: tuple(p.shape) for n, p in pm.named_parameters() if n in pm.program.experts},
@@ -59,18 +60,19 @@ def ep_parity(rank, world, dims, names, kw, steps=3):
     return out
 
 
-def ep_checkpoint(rank, world, directory, shard="none"):
+def ep_checkpoint(rank, world, directory, shard="none", dims=None):
     """Mixtral at dp2: one AdamW step at ep2, saved; loaded at ep1 (its whole experts put together
     from both ranks' files) and saved again; loaded at ep2 again. Each load: the full state
     dict and the optimizer's whole state as saved (bitwise), and the next two steps' losses as
     the saving run's (1e-6; the second follows an update that reads the moments). ``shard``: the
     ep2 runs' ``dp_shard`` (a sharded optimizer keeps pieces, not a state per parameter: its
-    moments are compared through the second loss alone)."""
+    moments are compared through the second loss alone). ``dims``: the mesh (default: dp over every
+    rank)."""
     import fxmegatron
     from fxmegatron.io import checkpoint
     from fxmegatron.runtime.gather import gather_layout
 
-    mesh = _mesh({"dp": world})
+    mesh = _mesh(dims or {"dp": world})
     model, batch = _model_and_batches("mixtral")
 
     def build(ep):

@@ -13,7 +13,7 @@ captured graph before tensor parallelism, which then sees a shorter sequence.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -34,21 +34,23 @@ def sequence_length(gm: fx.GraphModule) -> int:
     raise ShardingError("context parallelism needs a batch input shaped [batch, sequence, ...]; the graph has none")
 
 
-def plan_context_parallel(gm: fx.GraphModule, cp: int, param_names: Iterable[str]) -> CPPlan:
+def plan_context_parallel(gm: fx.GraphModule, cp: int, param_names: Iterable[str], experts: Sequence = ()) -> CPPlan:
     seq = sequence_length(gm)
     if seq % (2 * cp):
         raise ShardingError(f"sequence length {seq} is not divisible by 2·cp = {2 * cp} (load-balanced context "
                             "parallelism: each rank holds two chunks)")
-    return State(gm, cp, seq, set(param_names)).run()
+    return State(gm, cp, seq, set(param_names), experts).run()
 
 
 def apply_context_parallel(gm: fx.GraphModule, cp: int, rank: int, group_name: str, param_names: Iterable[str],
-                           variant: str = "ring") -> fx.GraphModule:
+                           variant: str = "ring", experts: Sequence = ()) -> fx.GraphModule:
     """``gm`` rewritten in place for cp rank ``rank`` (meta values stay the whole model's
-    until the caller propagates shapes); the plan lands in ``gm.meta["fxmegatron/cp_plan"]``."""
+    until the caller propagates shapes); the plan lands in ``gm.meta["fxmegatron/cp_plan"]``.
+    ``experts``: the model's mixture-of-experts blocks (``expert_parallel.find_experts``), each
+    run on this rank's tokens (``experts``)."""
     if variant not in VARIANTS:
         raise ShardingError(f"cp_attention={variant!r}: expected one of {VARIANTS}")
-    plan = plan_context_parallel(gm, cp, param_names)
+    plan = plan_context_parallel(gm, cp, param_names, experts)
     apply_context_parallel_plan(gm, plan, rank, group_name, variant)
     gm.meta["fxmegatron/cp_plan"] = plan
     return gm

@@ -14,13 +14,14 @@ node, its module path and why: context parallelism never guesses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Dict, Iterator, List, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
 
 from fxmegatron.errors import ShardingError
 from fxmegatron.passes.context_parallel import rules, rules_compute
+from fxmegatron.passes.context_parallel.experts import expert_blocks, experts_rule
 from fxmegatron.passes.context_parallel.layout import is_split, seq, seq_of
 from fxmegatron.passes.context_parallel.registry import Outcome, rule_for
 from fxmegatron.passes.redistribute import Edge
@@ -45,6 +46,8 @@ class CPPlan:
     attention: List[fx.Node] = field(default_factory=list)
     mean_losses: Dict[fx.Node, int] = field(default_factory=dict)          # loss -> ignore_index
     mean_divisor: Dict[fx.Node, int] = field(default_factory=dict)         # mean over the sequence -> /cp
+    token_sizes: Set[fx.Node] = field(default_factory=set)     # in an experts block: its token count /cp
+    experts: Set[fx.Node] = field(default_factory=set)         # inside an experts block: no placement
 
     def edges(self) -> Iterator[Edge]:
         """The takes (one per value, dim and inner, its consumers in graph order) then the sums
@@ -83,10 +86,11 @@ class View:
 
 
 class State:
-    def __init__(self, gm: fx.GraphModule, cp: int, seq: int, param_names: Set[str]):
+    def __init__(self, gm: fx.GraphModule, cp: int, seq: int, param_names: Set[str], experts: Sequence = ()):
         self.gm = gm
         self.plan = CPPlan(cp, seq)
         self.view = View(self)
+        self.blocks = expert_blocks(gm, experts)      # node -> its mixture-of-experts block
         self.needs_grad: Set[fx.Node] = set()
         for n in gm.graph.nodes:
             if n.op == "get_attr" and n.target in param_names:
@@ -144,6 +148,8 @@ class State:
             if any(self.split(a) or self.get(a) == P for a in node.all_input_nodes):
                 self.fail(node, f"is a {node.op} node")
             return Outcome(R, "opaque")
+        if node in self.blocks:
+            return experts_rule(self.view, node, self.blocks[node])
         ins = node.all_input_nodes
         split = any(self.split(a) for a in ins)
         partial = any(self.get(a) == P for a in ins)
@@ -160,6 +166,8 @@ class State:
         """The walk, not the rule, records what a rule decided (the output node has no placement)."""
         if out.placement is not None:
             self.set(node, out.placement, out.rule)
+        elif out.rule == "experts":
+            self.plan.experts.add(node)
         for a, s in out.takes:
             self.take(a, node, s)
         for a in out.sums:
@@ -174,6 +182,8 @@ class State:
                 self.plan.mean_losses[node] = value
             elif kind == "attention":
                 self.plan.attention.append(node)
+            elif kind == "token_size":
+                self.plan.token_sizes.add(node)
             else:
                 raise ValueError(f"{node.name}: a rule's note {kind!r} is none the cp rewrite knows")
 

@@ -32,7 +32,8 @@ class Outcome:
     at the node besides, ``(kind, value)``: ``("size", (arg index, dim))`` a view's size along
     the sequence divided by cp; ``("mean_divisor", cp)`` a mean over the sequence divided by
     cp; ``("mean_loss", ignore_index)`` a mean loss made this rank's sum over every rank's
-    count; ``("attention", None)`` attention made ``cp_attention``."""
+    count; ``("attention", None)`` attention made ``cp_attention``; ``("token_size", None)`` a
+    size inside a mixture-of-experts block that counts its tokens divided by cp."""
 
     placement: object
     rule: str

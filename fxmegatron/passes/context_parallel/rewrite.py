@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from fxmegatron.ops.context_parallel import cp_attention, cp_count
 from fxmegatron.passes.context_parallel.propagate import CPPlan
+from fxmegatron.passes.expert_parallel.region import scale_tokens
 from fxmegatron.passes.redistribute import Site, insert_edges
 from fxmegatron.passes.tensor_parallel.nodes import arg
 from fxmegatron.placement import place
@@ -39,6 +40,8 @@ def apply_context_parallel_plan(gm: fx.GraphModule, plan: CPPlan, rank: int, gro
         if sizes[d] != -1:
             sizes[d] = sizes[d] // cp
         node.args = node.args[:i] + (sizes,) + node.args[i + 1:]
+    for node in plan.token_sizes:
+        scale_tokens(node, lambda size: size // cp)
     for node, ignore in plan.mean_losses.items():
         args = list(node.args) + [None] * (5 - len(node.args))
         kw = dict(node.kwargs)

@@ -18,6 +18,9 @@ Stated preconditions, per family:
 * matmuls and embeddings: the sequence is a batch dim, never contracted;
 * norms, softmax and reductions: not over the sequence, except a sum or mean over it,
   which becomes a partial sum;
+* top-k: not along the sequence;
+* a mixture-of-experts block (``experts``): its tokens, expert ids and routing weights are
+  this rank's chunks alike; its ops run on this rank's tokens;
 * cross-entropy: 2-D logits [N, V], N the flattened sequence; mean over counted tokens
   becomes a sum over this rank's tokens divided by the count over all cp ranks;
 * attention (SDPA): q, k and v split along the sequence (dim -2), no mask (causal or

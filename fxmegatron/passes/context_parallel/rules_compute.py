@@ -1,5 +1,5 @@
 """Context-parallel rules for the ops that compute: matmuls, embeddings, norms, reductions,
-softmax, the loss and attention (the table and the preconditions: ``rules``)."""
+softmax, top-k, the loss and attention (the table and the preconditions: ``rules``)."""
 from __future__ import annotations
 
 import torch
@@ -109,6 +109,20 @@ def softmax(view, node, split):
             view.fail(node, f"is a softmax over the sequence ({s})")
         return summed(view, node, R, "softmax")
     return summed(view, node, s, "softmax")
+
+
+@register(aten.topk)
+def topk(view, node, split):
+    """The k largest along another dim than the sequence (a router's experts per token): values
+    and indices keep the sequence where the input has it."""
+    s = _sequence_input(view, node)
+    if s is None:
+        return no_rule(view, node, split)
+    if norm(arg(node, 2, "dim", -1), val(node.args[0]).ndim) == seq_of(s)[0]:
+        if split:
+            view.fail(node, f"ranks along the sequence ({s})")
+        return summed(view, node, (R, R), "topk")
+    return summed(view, node, (s, s), "topk")
 
 
 _MEANS = {aten.mean}

@@ -12,7 +12,7 @@ weights already cut to E/ep along their experts dim:
    sentinel E/ep and its weight 0 (the sort puts sentinels last and ``histc(bins=E/ep,
    max=E/ep−1)`` leaves them out, so no grouped matmul reads them);
 3. the ops between those inputs and the combine run as captured, on ep·T tokens: the
-   token-counted sizes they hold (``SIZE_ARGS``) are scaled by ep, the histogram's bins are E/ep;
+   token-counted sizes they hold (``region.token_sizes``) are scaled by ep, the histogram's bins are E/ep;
 4. each expert matmul's rows past the last offset are zeroed on the way in and out (a grouped
    matmul leaves them unwritten, and in backward their gradient would reach the tokens);
    An expert bias gathered by expert id reads its local row (sentinel rows clamped, then zeroed);
@@ -29,16 +29,13 @@ rows of the other experts are exact zeros; the sum over ep adds each token's k p
 (in another order than the one-GPU sum over k: equal to rounding).
 
 Preconditions (``ExpertParallelError`` naming the block where one fails): a sorted, gathered
-or dense dispatch; the histogram, where there is one, is ``histc(ids, E, 0, E − 1)``; the ops
-from the block's inputs to its combine are read by nothing outside the block; and a size
-argument of those ops that counts tokens is the first dim of a shape (of a view computed from
-the block's inputs, or of a new tensor: an ``arange``'s length) and equals T or T·k, E being
-neither. A size the rule reads wrongly changes a view's element count, which the shape check
-after this pass refuses.
+or dense dispatch; the histogram, where there is one, is ``histc(ids, E, 0, E − 1)``; and those
+of the block's region (``region.py``: closed, its token counts read from its sizes). A size the
+rule reads wrongly changes a view's element count, which the shape check after this pass refuses.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Sequence, Set
+from typing import Dict, List, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -47,6 +44,8 @@ from fxmegatron.errors import ExpertParallelError
 from fxmegatron.ops.collectives import gather_seq, scatter_seq
 from fxmegatron.ops.expert_load import RECORD as RECORD_EXPERT_COUNTS
 from fxmegatron.passes.expert_parallel.descriptor import DENSE, GATHERED, SORTED, ExpertsBlock
+from fxmegatron.passes.expert_parallel.region import (block_inputs, block_node, check_region, counted_sizes, region,
+                                                      scale_tokens, token_sizes)
 
 aten = torch.ops.aten
 
@@ -54,10 +53,6 @@ aten = torch.ops.aten
 # reduce-scatter that leaves the block (its module path); verify's comparison reads both
 EP_REGION, EP_BLOCK = "ep_region", "ep_block"
 
-# op -> the argument holding a shape whose first entry may count tokens (an int: an arange's length)
-SIZE_ARGS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1,
-             aten.new_zeros.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
-             aten.zeros.default: 0, aten.empty.memory_format: 0, aten.full.default: 0, aten.arange.default: 0}
 # the dense dispatch: op -> its shape argument, whose leading E (experts) or T (tokens) is rescaled
 DENSE_SIZE_ARGS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1,
                    aten.repeat.default: 1, aten.expand.default: 1}
@@ -98,40 +93,16 @@ def apply_expert_parallel(gm: fx.GraphModule, blocks: Sequence[ExpertsBlock], ep
     return gm
 
 
-def _node(by_name: Mapping[str, fx.Node], old: fx.Node, b: ExpertsBlock) -> fx.Node:
-    n = by_name.get(old.name)
-    if n is None:
-        raise ExpertParallelError(f"expert parallelism of {b.module}: node {old.name} of its experts computation is "
-                                  "gone from the rank's graph (a pass before it replaced the node)")
-    return n
-
-
-def _region(combine: fx.Node, stops: Set[fx.Node]) -> List[fx.Node]:
-    """The nodes the combine is computed from, back to ``stops`` (not included) and the graph's
-    attributes."""
-    seen, todo = set(), [combine]
-    while todo:
-        n = todo.pop()
-        if n in seen or n in stops:
-            continue
-        seen.add(n)
-        if n.op in ("placeholder", "get_attr"):
-            continue
-        todo.extend(n.all_input_nodes)
-    return [n for n in combine.graph.nodes if n in seen]
-
-
 def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int, group: str) -> None:
     """Every token through every expert (Llama 4): the [T, E] scores are 0 off the top-k. Each
     rank takes its E/ep columns of every ep rank's scores and its E/ep blocks of the [E, ep·T, h]
     rows; the sum over experts is then this rank's share, reduce-scattered over ep."""
     E, local_e = b.num_experts, b.num_experts // ep
     # the [T, h] tokens the dense rows ([E, T, h]: their product with the scores) repeat
-    tokens = _node(by_name, b.tokens, b)
-    weights = _node(by_name, b.router.weights, b)
-    combine = _node(by_name, b.combine, b)
-    region = _region(combine, {tokens, weights})
-    _check_region(region, combine, b)
+    tokens, weights = block_inputs(by_name, b)
+    combine = block_node(by_name, b.combine, b)
+    nodes = region(combine, {tokens, weights})
+    check_region(nodes, combine, b)
     T = tokens.meta["val"].shape[0]
     if E == T:
         raise ExpertParallelError(f"expert parallelism of {b.module}: {T} tokens and {E} experts: a size of {E} "
@@ -143,8 +114,8 @@ def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
     with graph.inserting_before(_next(w_l)):     # a token's row for an expert: its score is not 0
         _record(graph, graph.call_function(aten.sum.dim_IntList, (graph.call_function(aten.ne.Scalar, (w_l, 0)), [0])),
                 b, combine)
-    _swap(region, {tokens: tok_g, weights: w_l})
-    for n in region:
+    _swap(nodes, {tokens: tok_g, weights: w_l})
+    for n in nodes:
         at = DENSE_SIZE_ARGS.get(n.target)
         if at is not None and len(n.args) > at and isinstance(n.args[at], (list, tuple)) and n.args[at]:
             size = list(n.args[at])
@@ -155,29 +126,21 @@ def _rewrite_dense(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
             elif size[0] == T:      # [T, ...] -> [ep·T, ...]; E·T rows stay E/ep · ep·T
                 size[0] = T * ep
             n.args = (*n.args[:at], size, *n.args[at + 1:])
-    _leave(graph, b, combine, region, ep, group)
+    _leave(graph, b, combine, nodes, ep, group)
 
 
 def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int, group: str) -> None:
     if b.dispatch == DENSE:
         return _rewrite_dense(graph, b, by_name, ep, rank, group)
-    E, k = b.num_experts, b.top_k
+    E = b.num_experts
     local_e = E // ep
-    rows = _node(by_name, b.rows, b)
-    tokens = rows.args[0]
-    ids = _node(by_name, b.router.expert_ids, b)
-    if b.router.weights is None:
-        raise ExpertParallelError(f"expert parallelism of {b.module}: no routing weights were found for its rows")
-    weights = _node(by_name, b.router.weights, b)
-    combine = _node(by_name, b.combine, b)
-    region = _region(combine, {tokens, ids, weights})
-    _check_region(region, combine, b)
-    T = tokens.meta["val"].shape[0]
-    counted = {T, T * k}
-    if E in counted:
-        raise ExpertParallelError(f"expert parallelism of {b.module}: {T} tokens, top-{k}: a size of {E} could "
-                                  "count tokens or experts; trace with another batch size")
-    counts = _node(by_name, b.counts, b) if b.counts is not None else None
+    tokens, ids, weights = block_inputs(by_name, b)
+    combine = block_node(by_name, b.combine, b)
+    nodes = region(combine, {tokens, ids, weights})
+    check_region(nodes, combine, b)
+    # 3 (found before the inputs are swapped): sizes that count tokens
+    sized = token_sizes(nodes, (tokens, ids, weights), counted_sizes(b, tokens.meta["val"].shape[0]))
+    counts = block_node(by_name, b.counts, b) if b.counts is not None else None
     if counts is not None and (counts.target is not aten.histc.default or list(counts.args[1:4]) != [E, 0, E - 1]):
         raise ExpertParallelError(f"expert parallelism of {b.module}: the rows per expert {counts.name} are "
                                   f"{counts.target}{tuple(counts.args[1:])}, not histc(ids, {E}, 0, {E - 1})")
@@ -194,14 +157,10 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
         ids_l = graph.call_function(aten.where.self, (mine, shifted, sentinel))
         zero = graph.call_function(aten.zeros_like.default, (w_g,))
         w_l = graph.call_function(aten.where.self, (mine, w_g, zero))
-    _swap(region, {tokens: tok_g, ids: ids_l, weights: w_l})
-    # 3: sizes that count tokens, and the histogram's bins. A view or expand counts tokens only where
-    # it reads the gathered inputs (a view of an expert weight keeps its sizes); a new tensor's size
-    # (arange, zeros, ...) has no input to tell, and is read by its value
-    fed = _fed_by(region, {tok_g, ids_l, w_l})
-    for n in region:
-        if n in fed or n.target not in _VIEWS:
-            _scale_sizes(n, counted, ep)
+    _swap(nodes, {tokens: tok_g, ids: ids_l, weights: w_l})
+    # 3: the sizes that count tokens count ep times as many, and the histogram has E/ep bins
+    for n in sized:
+        scale_tokens(n, lambda size: size * ep)
     if counts is not None:
         counts.args = (counts.args[0], local_e, 0, local_e - 1, *counts.args[4:])
         # the rows per local expert over every ep rank's tokens, kept for the trainer's load figure
@@ -217,25 +176,25 @@ def _rewrite_block(graph: fx.Graph, b: ExpertsBlock, by_name, ep: int, rank: int
             _record(graph, graph.call_function(aten.slice.Tensor, (hist, 0, 0, local_e)), b, combine)
     # 4: the rows of other ranks' experts (the sentinel's: sorted last in the sorted dispatch) zeroed
     # around each expert matmul, and expert weights and biases gathered by a row's id read a local row
-    grouped = _node(by_name, b.grouped_by, b)
+    grouped = block_node(by_name, b.grouped_by, b)
     with graph.inserting_before(_next(grouped)):
         valid = graph.call_function(aten.lt.Scalar, (grouped, local_e))
         clamped = graph.call_function(aten.clamp.default, (grouped, 0, local_e - 1))
     experts = {m.weight for m in b.matmuls} | {m.bias for m in b.matmuls if m.bias is not None}
-    for n in region:
+    for n in nodes:
         if n.target is aten.index.Tensor and _param(n.args[0]) in experts and grouped in n.args[1]:
             n.args = (n.args[0], [clamped if i is grouped else i for i in n.args[1]], *n.args[2:])
             if _param(n.args[0]) not in {m.weight for m in b.matmuls}:     # a bias's rows: zeroed too
                 _mask_output(graph, n, valid)
     for m in b.matmuls:
-        mm = _node(by_name, m.node, b)
+        mm = block_node(by_name, m.node, b)
         x = mm.args[0]
         with graph.inserting_before(mm):
             mask = _row_mask(graph, valid, x.meta["val"].dim())
             xin = graph.call_function(aten.where.self, (mask, x, graph.call_function(aten.zeros_like.default, (x,))))
         mm.args = (xin, *mm.args[1:])
         _mask_output(graph, mm, valid)
-    _leave(graph, b, combine, region, ep, group)
+    _leave(graph, b, combine, nodes, ep, group)
 
 
 def _gather(graph: fx.Graph, sources: Sequence[fx.Node], ep: int, group: str) -> List[fx.Node]:
@@ -247,9 +206,9 @@ def _gather(graph: fx.Graph, sources: Sequence[fx.Node], ep: int, group: str) ->
         return [graph.call_function(gather_seq, (src, 0, ep, group)) for src in sources]
 
 
-def _swap(region: List[fx.Node], swap: Mapping[fx.Node, fx.Node]) -> None:
-    """Every node of ``region`` reads the gathered (or remapped) values in place of the block's inputs."""
-    for n in region:
+def _swap(nodes: List[fx.Node], swap: Mapping[fx.Node, fx.Node]) -> None:
+    """Every node of ``nodes`` reads the gathered (or remapped) values in place of the block's inputs."""
+    for n in nodes:
         n.args = fx.map_arg(n.args, lambda a: swap.get(a, a))
         n.kwargs = fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
 
@@ -262,29 +221,15 @@ def _record(graph: fx.Graph, counts: fx.Node, b: ExpertsBlock, combine: fx.Node)
         rec.meta["nn_module_stack"] = combine.meta["nn_module_stack"]
 
 
-def _leave(graph: fx.Graph, b: ExpertsBlock, combine: fx.Node, region: List[fx.Node], ep: int, group: str) -> None:
+def _leave(graph: fx.Graph, b: ExpertsBlock, combine: fx.Node, nodes: List[fx.Node], ep: int, group: str) -> None:
     """Step 5: the combine (this rank's experts' share of every gathered token) reduce-scattered
     over ep, each rank keeping its own tokens' sums; the region marked for verify's comparison."""
     with graph.inserting_before(_next(combine)):
         out = graph.call_function(scatter_seq, (combine, 0, ep, group))
     combine.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
-    for n in region:
+    for n in nodes:
         n.meta[EP_REGION] = True
     out.meta[EP_BLOCK] = b.module
-
-
-def _check_region(region: List[fx.Node], combine: fx.Node, b: ExpertsBlock) -> None:
-    inside = set(region)
-    placeholders = [n.name for n in region if n.op == "placeholder"]
-    if placeholders:
-        raise ExpertParallelError(f"expert parallelism of {b.module}: its combine reads the graph inputs "
-                                  f"{placeholders} beyond the tokens, the expert ids and the routing weights")
-    for n in region:
-        if n is not combine:
-            outside = [u.name for u in n.users if u not in inside]
-            if outside:
-                raise ExpertParallelError(f"expert parallelism of {b.module}: {n.name} ({n.target}) inside the "
-                                          f"experts computation is also read by {outside} outside it")
 
 
 def _param(n) -> str:
@@ -321,33 +266,3 @@ def _device(node: fx.Node):
     v = node.meta.get("val")
     # a device constant is pointed at the rank's device when it is materialised (retarget_device)
     return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
-
-
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
-
-
-def _fed_by(region: List[fx.Node], sources: Set[fx.Node]) -> Set[fx.Node]:
-    """The nodes of ``region`` (in graph order) computed from ``sources``."""
-    fed = set(sources)
-    for n in region:
-        if any(a in fed for a in n.all_input_nodes):
-            fed.add(n)
-    return fed
-
-
-def _scale_sizes(n: fx.Node, counted: Set[int], ep: int) -> None:
-    at = SIZE_ARGS.get(n.target)
-    if at is None or len(n.args) <= at:
-        return
-    size = n.args[at]
-    if isinstance(size, int):
-        if size in counted:
-            n.args = (*n.args[:at], size * ep, *n.args[at + 1:])
-        return
-    if not isinstance(size, (list, tuple)) or not size:
-        return
-    first = size[0]
-    if isinstance(first, int) and first in counted:
-        n.args = (*n.args[:at], [first * ep, *size[1:]], *n.args[at + 1:])
-    # a token count past the first dim is left as it is: the view of ep times the elements then
-    # fails the shape check after this pass (it cannot pass silently)
