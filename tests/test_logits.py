@@ -3,8 +3,8 @@
 Against the unmodified model in eval mode (dropout 0.1 in the model, so a dropout left on
 shows): the bundled GPT (its LM head's output) and HF Llama (``.logits``), at one process
 (plain, fused, microbatches with recomputation, torch.compile) and on gloo: tp2 with
-sequence parallelism (the whole vocabulary and each rank's shard), and dp2 (each rank the
-whole batch it is given). Each run checks that parameters, gradients, the dropout step,
+sequence parallelism (the whole vocabulary and each rank's shard), dp2 (each rank the
+whole batch it is given), and cp2 (each rank the whole sequence). Each run checks that parameters, gradients, the dropout step,
 torch's RNG and the modes are as before. Where the logits are found: through a shift of the
 logits, from nll_loss over log_softmax; and the refusals (no cross-entropy, two of them, a
 pipelined model, a batch of the wrong size or structure).
@@ -114,7 +114,8 @@ def test_logits_refused_when_not_found_unambiguously(loss, match):
 # ---- gloo ------------------------------------------------------------------------------------
 TWO = [("tp2-sp", (("tp", 2),), {"sequence_parallel": True}, ("gpt", "llama")),
        ("dp2", (("dp", 2),), {}, ("gpt",)),
-       ("pp2", (("pp", 2), ("tp", 1)), {"microbatches": 2}, ("gpt",))]
+       ("pp2", (("pp", 2), ("tp", 1)), {"microbatches": 2}, ("gpt",)),
+       ("cp2", (("cp", 2),), {"dropout": 0.0}, ("llama",))]
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +138,14 @@ def test_logits_data_parallel_runs_the_whole_batch_on_each_rank(two):
     for res in two:         # traced at 2 rows (4 over dp=2): the 4 rows run in two pieces, no dp share
         r = res[("dp2", "gpt")]
         assert r["whole"].shape == (4, models.SEQ, models.VOCAB) and close(r["whole"], r["ref"])
+        assert torch.equal(r["shard"], r["whole"]) and not r["changed"]
+
+
+def test_logits_context_parallel_put_the_sequence_back_in_order(two):
+    # each cp rank computes its chunks (0 and 3, 1 and 2 of 4): the whole sequence on every rank
+    for res in two:
+        r = res[("cp2", "llama")]
+        assert close(r["whole"], r["ref"]), (r["whole"].shape, r["ref"].shape)
         assert torch.equal(r["shard"], r["whole"]) and not r["changed"]
 
 

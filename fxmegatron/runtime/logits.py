@@ -1,19 +1,24 @@
 """The forward behind ``ParallelModel.logits``: the rank's graph cut at the logits
 (``passes.logits_output``), fed a batch in pieces of the size it was traced at, its
-vocabulary shards gathered over tp when asked."""
+vocabulary shards gathered over tp when asked, and under context parallelism every cp rank's
+chunks of the sequence gathered and put back in order."""
 from __future__ import annotations
 
 from typing import List, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxmegatron.capture import batch_args
 from fxmegatron.capture.inputs import check_batch
 from fxmegatron.errors import BatchError, PassError
+from fxmegatron.passes.context_parallel import sequence_length
+from fxmegatron.passes.context_parallel.layout import is_split, join_sequence
 from fxmegatron.passes.logits_output import logits_output, output_placement, used_inputs
 from fxmegatron.passes.runner import Pass, PassRunner
-from fxmegatron.placement import Partial, Shard
+from fxmegatron.placement import Partial, Shard, placed
 from fxmegatron.program import RankProgram
 from fxmegatron.runtime.gather import gather_tp
 from fxmegatron.runtime.microbatches import split_batch
@@ -31,6 +36,15 @@ class LogitsForward:
             # a partial sum or an unknown split gathered as if it were a shard is a wrong tensor
             raise PassError(f"the logits node ({self._node_name()}) has no whole or split placement "
                             f"({self.placement}): its tp ranks' pieces cannot be put together")
+        self.cp_placement, self.seq = None, 0
+        if program.axes.get("cp") is not None and program.axes["cp"].size > 1:
+            out = next(n for n in self.gm.graph.nodes if n.op == "output").args[0]
+            self.cp_placement = placed(out, "cp") if isinstance(out, fx.Node) else None
+            if not is_split(self.cp_placement):
+                raise PassError(f"the logits node ({self._node_name()}) is not this rank's chunks of the sequence "
+                                f"({self.cp_placement}) under cp={program.axes['cp'].size}: its cp ranks' pieces "
+                                "cannot be put together")
+            self.seq = sequence_length(program.graph_module)
 
     def _node_name(self) -> str:
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
@@ -85,8 +99,17 @@ class LogitsForward:
         return 1
 
     def _whole(self, out: torch.Tensor, gather: bool) -> torch.Tensor:
-        """This rank's logits made whole over tp: along the sequence (or any dim but the
-        vocabulary) always, along the vocabulary when ``gather``."""
+        """This rank's logits made whole over tp (along the sequence, or any dim but the
+        vocabulary, always; along the vocabulary when ``gather``), then over cp."""
+        out = self._whole_tp(out, gather)
+        if self.cp_placement is None:
+            return out
+        cp = self.program.axes["cp"]
+        parts = [torch.empty_like(out) for _ in range(cp.size)]
+        dist.all_gather(parts, out.detach().contiguous(), group=cp.group)
+        return join_sequence(parts, self.cp_placement, self.seq)
+
+    def _whole_tp(self, out: torch.Tensor, gather: bool) -> torch.Tensor:
         tp, plc = self.program.axes["tp"], self.placement
         if tp.size == 1 or not isinstance(plc, Shard):
             return out

@@ -293,9 +293,10 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
         With tp > 1 the LM head is vocab-parallel. ``gather=True`` all-gathers the whole
         vocabulary on every tp rank; ``gather=False`` returns this rank's shard: columns
         ``[tp_rank * n, (tp_rank + 1) * n)`` of the vocabulary, ``n = out.shape[-1]`` (the
-        whole vocabulary when tp left the LM head unsplit). Under sequence parallelism the
-        sequence is always whole. Collective over tp: every tp rank calls it, with the same
-        batch.
+        whole vocabulary when tp left the LM head unsplit). Under sequence parallelism and
+        under context parallelism (each cp rank's chunks all-gathered and put back in order)
+        the sequence is always whole. Collective over tp and cp: every rank of them calls it,
+        with the same batch.
 
         Dropout is off and nothing is kept for a backward; parameters, gradients, the
         dropout step, torch's RNG and every module's train/eval mode stay as they were. The

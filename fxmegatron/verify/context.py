@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 import torch.fx as fx
 
-from fxmegatron.passes.context_parallel.layout import is_split, seq_of
+from fxmegatron.passes.context_parallel.layout import is_split, join_sequence, seq_of
 from fxmegatron.placement import P, Placement
 from fxmegatron.verify.compare import reassemble, rel_err
 
@@ -92,21 +92,6 @@ def join_cp(values: List, plc, seq: int):
             return (f"whole on every cp rank ({plc}), but cp rank {c} holds another value than cp rank 0 "
                     f"(relative difference {rel_err(v, values[0]):.2e})")
     return values[0]
-
-
-def join_sequence(values: Sequence[torch.Tensor], s: Placement, seq: int) -> torch.Tensor:
-    """The inverse of ``cp_take``: rank r's sequence dim d of ``s`` is [outer, chunk r and chunk
-    2·cp−1−r, inner]; the whole is [outer, chunks 0 .. 2·cp−1, inner]."""
-    cp = len(values)
-    (d, inner), c = seq_of(s), seq // (2 * cp)
-    shape = list(values[0].shape)
-    outer = shape[d] // (2 * c * inner)
-    chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp)
-    for r, v in enumerate(values):
-        y = v.reshape(shape[:d] + [outer, 2, c, inner] + shape[d + 1:])
-        chunks[r], chunks[2 * cp - 1 - r] = y.select(d + 1, 0), y.select(d + 1, 1)
-    whole = torch.stack(chunks, d + 1)
-    return whole.reshape(shape[:d] + [shape[d] * cp] + shape[d + 1:])
 
 
 def sum_over_cp(per_cp: List[List[Dict[str, torch.Tensor]]]) -> List[Dict[str, torch.Tensor]]:

@@ -41,15 +41,18 @@ def logits_check(pm, model, name, batch_size, train=True):
 
 def logits_layouts(rank, world, layouts, batch_size=4):
     """For each (label, mesh dims, parallelize kwargs, model names): ``logits_check`` of each
-    model with dropout 0.1 by (label, name), or the error a pipelined model raises."""
+    model with dropout 0.1 (or the kwargs' ``dropout``) by (label, name), or the error a
+    pipelined model raises."""
     import fxmegatron
     from torch.distributed.device_mesh import init_device_mesh
 
     out = {}
     for label, dims, kw, names in layouts:
         mesh = init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(d for d, _ in dims))
+        kw = dict(kw)
+        dropout = kw.pop("dropout", 0.1)    # cp refuses attention dropout
         for name in names:
-            model = models.build(name, dropout=0.1)
+            model = models.build(name, dropout=dropout)
             pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, models.batch(name, batch_size=batch_size), **kw)
             if pm.pp_size > 1:
                 try:

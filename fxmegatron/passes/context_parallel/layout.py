@@ -13,7 +13,9 @@ by broadcasting alignment, not by this record.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
+
+import torch
 
 from fxmegatron.placement import Placement, Replicate, Shard
 
@@ -66,3 +68,18 @@ def seq_through_view(in_shape: Sequence[int], p: Placement, out_shape: Sequence[
 
 def local_size(size: int, cp: int) -> int:
     return size // cp
+
+
+def join_sequence(values: Sequence[torch.Tensor], s: Placement, seq: int) -> torch.Tensor:
+    """The inverse of ``cp_take``: rank r's sequence dim d of ``s`` is [outer, chunk r and chunk
+    2·cp−1−r, inner]; the whole is [outer, chunks 0 .. 2·cp−1, inner]."""
+    cp = len(values)
+    (d, inner), c = seq_of(s), seq // (2 * cp)
+    shape = list(values[0].shape)
+    outer = shape[d] // (2 * c * inner)
+    chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp)
+    for r, v in enumerate(values):
+        y = v.reshape(shape[:d] + [outer, 2, c, inner] + shape[d + 1:])
+        chunks[r], chunks[2 * cp - 1 - r] = y.select(d + 1, 0), y.select(d + 1, 1)
+    whole = torch.stack(chunks, d + 1)
+    return whole.reshape(shape[:d] + [shape[d] * cp] + shape[d + 1:])
