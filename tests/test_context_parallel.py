@@ -155,6 +155,34 @@ def test_dropout_is_refused_by_name():
         _cp(models.build("gpt", n_layer=1, dropout=0.1), models.batch("gpt"))
 
 
+def test_a_router_load_balancing_loss_is_refused_naming_the_loss():
+    # cp would stop at the histogram of the routing statistics (no cp rule): the refusal says it is
+    # the loss's added term, not merely an op without a rule; a model without the term compiles
+    import copy
+    import dataclasses
+
+    from fxmegatron.compiler import compile_captured
+    from fxmegatron.config import ParallelConfig
+    from fxmegatron.errors import LossError
+    from fxmegatron.mesh import Axis
+
+    fam = families.FAMILIES["mixtral"]
+    axes = {d: Axis() for d in ("dp", "pp", "tp")}
+    axes["cp"] = Axis(2, 0, "job-cp", (0, 1))
+    for aux in (True, False):
+        model = fam.build(1)
+        model.config.output_router_logits = aux
+        cap = capture(model, families.make_batch(fam, 0))
+        run = lambda: compile_captured(dataclasses.replace(cap, gm=copy.deepcopy(cap.gm)), axes, "meta",  # noqa: E731
+                                       ParallelConfig())
+        if not aux:
+            run()
+            continue
+        with pytest.raises(LossError, match=r"cp=2.*adds a term to its cross-entropy.*model\.layers\.0\.mlp\.gate"
+                                            r".*stopped inside that term.*output_router_logits=False"):
+            run()
+
+
 def test_the_rank_graph_takes_labels_and_positions_and_sums_the_loss():
     gm = _cp(models.build("gpt", n_layer=1), models.batch("gpt"))
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]

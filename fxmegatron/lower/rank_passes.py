@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from fxmegatron.capture import Captured
-from fxmegatron.errors import ShardingError
+from fxmegatron.errors import LossError, ShardingError
 from fxmegatron.lower.materialize import materialize_graph
 from fxmegatron.lower.overlap_scheduler import scheduler_wraps_nodes
 from fxmegatron.mesh import Axis
@@ -33,6 +33,7 @@ from fxmegatron.passes.gelu_for_inductor import gelu_tanh_through_sigmoid
 from fxmegatron.passes.gelu_formula import gelu_formula_to_op
 from fxmegatron.passes.gemm_epilogues import apply_gemm_epilogues
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
+from fxmegatron.passes.loss_terms import added_term, split_loss_problem
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.recompute import RecomputePolicy, apply_recompute
@@ -112,11 +113,31 @@ def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
     def cut(gm):
         # a mixture-of-experts block runs on the rank's tokens (found here where ep did not find it)
         blocks = gm.meta[EXPERTS] if EXPERTS in gm.meta else find_experts(gm)
-        return apply_context_parallel(gm, cp.size, cp.rank, CP_AXIS, cap.params.keys(), variant, blocks)
+        term = added_term(gm)
+        try:
+            return apply_context_parallel(gm, cp.size, cp.rank, CP_AXIS, cap.params.keys(), variant, blocks)
+        except ShardingError as exc:
+            if term is None or getattr(exc, "node", None) not in _ancestors(term):
+                raise
+            raise LossError(f"parallelize(cp={cp.size}) runs each rank on its chunks of the sequence, but "
+                            f"{split_loss_problem(gm)}; context parallelism stopped inside that term ({exc}). To "
+                            "proceed: turn the term off in the model (Hugging Face MoE models: "
+                            "output_router_logits=False), or leave cp at 1") from exc
 
     return [Pass("attention_rewrites", attention_rewrites),
             Pass("context_parallel", cut),
             Pass("cp_local_shapes", check_local_shapes)]
+
+
+def _ancestors(n: fx.Node) -> set:
+    """The names of ``n`` and every node it is computed from."""
+    seen, stack = set(), [n]
+    while stack:
+        x = stack.pop()
+        if x.name not in seen:
+            seen.add(x.name)
+            stack.extend(x.all_input_nodes)
+    return seen
 
 
 def ep_passes(ep: Axis) -> List[Pass]:

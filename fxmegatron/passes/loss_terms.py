@@ -137,6 +137,19 @@ def _reads(term: fx.Node, limit: int = 4) -> List[str]:
     return sorted(out)[:limit] + (["..."] if len(out) > limit else [])
 
 
+def added_term(gm: fx.GraphModule) -> Optional[fx.Node]:
+    """The term the graph's loss adds to its cross-entropy (the node ``split_loss_problem``
+    names when it says so), or None."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    at = loss_chain(out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0])
+    if not (isinstance(at, fx.Node) and at.op == "call_function" and at.target in _ADD and len(at.args) >= 2
+            and all(isinstance(a, fx.Node) for a in at.args[:2])):
+        return None
+    sides = [loss_chain(a) for a in at.args[:2]]
+    return next((term for ce, term in ((sides[0], at.args[1]), (sides[1], at.args[0])) if _is_cross_entropy(ce)),
+                None)
+
+
 def split_loss_problem(gm: fx.GraphModule) -> Optional[str]:
     """None when the graph's loss (its first output) is additive over pieces of the batch (see
     the module doc), else why not, naming the node where the loss stops being a mean

@@ -108,7 +108,9 @@ class State:
         self.plan.rules[node] = rule
 
     def fail(self, node: fx.Node, why: str):
-        raise ShardingError(f"context parallelism cannot cut {where(node)}: it {why}")
+        exc = ShardingError(f"context parallelism cannot cut {where(node)}: it {why}")
+        exc.node = node.name        # where it stopped, for a caller that can say more (lower.rank_passes)
+        raise exc
 
     def split(self, n) -> bool:
         return is_split(self.get(n))
