@@ -25,6 +25,7 @@ from fxmegatron.passes.dp_shard import shard_parameters
 from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.expert_parallel import check_divisible, find_experts
 from fxmegatron.passes.expert_parallel.rewrite import apply_expert_parallel, check_supported, expert_params
+from fxmegatron.passes.expert_parallel.trail import ancestors
 from fxmegatron.passes.fp8 import apply_fp8
 from fxmegatron.passes.fp8_gather import gather_in_fp8
 from fxmegatron.passes.fp8_share import share_fp8_quantization
@@ -113,11 +114,12 @@ def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
     def cut(gm):
         # a mixture-of-experts block runs on the rank's tokens (found here where ep did not find it)
         blocks = gm.meta[EXPERTS] if EXPERTS in gm.meta else find_experts(gm)
-        term = added_term(gm)
         try:
             return apply_context_parallel(gm, cp.size, cp.rank, CP_AXIS, cap.params.keys(), variant, blocks)
         except ShardingError as exc:
-            if term is None or getattr(exc, "node", None) not in _ancestors(term):
+            # the plan fails before the rewrite: the graph is still the captured one
+            term = added_term(gm)
+            if term is None or getattr(exc, "node", None) not in {n.name for n in ancestors(term)}:
                 raise
             raise LossError(f"parallelize(cp={cp.size}) runs each rank on its chunks of the sequence, but "
                             f"{split_loss_problem(gm)}; context parallelism stopped inside that term ({exc}). To "
@@ -127,17 +129,6 @@ def cp_passes(cap: Captured, cp: Axis, variant: str) -> List[Pass]:
     return [Pass("attention_rewrites", attention_rewrites),
             Pass("context_parallel", cut),
             Pass("cp_local_shapes", check_local_shapes)]
-
-
-def _ancestors(n: fx.Node) -> set:
-    """The names of ``n`` and every node it is computed from."""
-    seen, stack = set(), [n]
-    while stack:
-        x = stack.pop()
-        if x.name not in seen:
-            seen.add(x.name)
-            stack.extend(x.all_input_nodes)
-    return seen
 
 
 def ep_passes(ep: Axis) -> List[Pass]:

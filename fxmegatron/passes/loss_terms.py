@@ -137,41 +137,47 @@ def _reads(term: fx.Node, limit: int = 4) -> List[str]:
     return sorted(out)[:limit] + (["..."] if len(out) > limit else [])
 
 
-def added_term(gm: fx.GraphModule) -> Optional[fx.Node]:
-    """The term the graph's loss adds to its cross-entropy (the node ``split_loss_problem``
-    names when it says so), or None."""
+def _loss_node(gm: fx.GraphModule) -> fx.Node:
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    at = loss_chain(out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0])
+    return loss_chain(out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0])
+
+
+def _cross_entropy_and_term(at):
+    """(the cross-entropy, the term) when ``at`` adds a term to a cross-entropy, else None."""
     if not (isinstance(at, fx.Node) and at.op == "call_function" and at.target in _ADD and len(at.args) >= 2
             and all(isinstance(a, fx.Node) for a in at.args[:2])):
         return None
     sides = [loss_chain(a) for a in at.args[:2]]
-    return next((term for ce, term in ((sides[0], at.args[1]), (sides[1], at.args[0])) if _is_cross_entropy(ce)),
-                None)
+    return next(((ce, term) for ce, term in ((sides[0], at.args[1]), (sides[1], at.args[0]))
+                 if _is_cross_entropy(ce)), None)
+
+
+def added_term(gm: fx.GraphModule) -> Optional[fx.Node]:
+    """The term the graph's loss adds to its cross-entropy (the node ``split_loss_problem``
+    names when it says so), or None."""
+    found = _cross_entropy_and_term(_loss_node(gm))
+    return found[1] if found else None
 
 
 def split_loss_problem(gm: fx.GraphModule) -> Optional[str]:
     """None when the graph's loss (its first output) is additive over pieces of the batch (see
     the module doc), else why not, naming the node where the loss stops being a mean
     cross-entropy alone, its module path and source line."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
-    at = loss_chain(loss)
+    at = _loss_node(gm)
     if _is_cross_entropy(at):
         why = _ce_problem(at)
         return None if why is None else f"the loss's cross-entropy {place(at)} {why}"
     if not isinstance(at, fx.Node) or at.op != "call_function":
         return f"the loss is {getattr(at, 'name', at)!r}, not a cross-entropy computed in the graph"
-    if at.target in _ADD and len(at.args) >= 2 and all(isinstance(a, fx.Node) for a in at.args[:2]):
-        sides = [loss_chain(a) for a in at.args[:2]]
-        for ce, term in ((sides[0], at.args[1]), (sides[1], at.args[0])):
-            if _is_cross_entropy(ce):
-                reads = _reads(term)
-                return (f"the loss adds a term to its cross-entropy {ce.name} at {place(at)}: the term, "
-                        f"{term.name}{', computed from ' + ', '.join(reads) if reads else ''}, is not a mean over "
-                        "the counted tokens; the unmodified model computes it once on the whole batch (an MoE "
-                        "router's load-balancing loss from the routing statistics of every token) and its value "
-                        "there is not a weighted sum of its values on the pieces")
+    found = _cross_entropy_and_term(at)
+    if found is not None:
+        ce, term = found
+        reads = _reads(term)
+        return (f"the loss adds a term to its cross-entropy {ce.name} at {place(at)}: the term, "
+                f"{term.name}{', computed from ' + ', '.join(reads) if reads else ''}, is not a mean over "
+                "the counted tokens; the unmodified model computes it once on the whole batch (an MoE "
+                "router's load-balancing loss from the routing statistics of every token) and its value "
+                "there is not a weighted sum of its values on the pieces")
     ces = [n for n in gm.graph.nodes if _is_cross_entropy(n)]
     if ces:
         return (f"the loss is not its cross-entropy {ces[0].name} alone: {place(at)} combines it with other "
