@@ -20,10 +20,11 @@ twice; inductor's cache makes the second build quick).
 """
 from __future__ import annotations
 
-import gc
 from typing import Dict, Tuple
 
 import torch
+
+from e2e.measure import release
 
 RATIO = 2.0
 FLOOR = 1e-3
@@ -44,12 +45,6 @@ def _named_grads(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _free(dev):
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def reference(spec, dev, batch) -> Tuple[dict, float, dict, float, dict]:
     """(the bf16 weights on the CPU, float32 loss, float32 gradients, bf16 loss, bf16 gradients)
     of the plain model's first step."""
@@ -62,7 +57,7 @@ def reference(spec, dev, batch) -> Tuple[dict, float, dict, float, dict]:
         loss.backward()
         runs[dtype] = (loss.item(), _named_grads(model))
         del model, loss
-        _free(dev)
+        release(dev)
     return (state, *runs[torch.float32], *runs[torch.bfloat16])
 
 
@@ -119,7 +114,7 @@ def check_bf16(layouts, build, spec, dev, batch, lead) -> bool:
             print(f"  {lay.name:18} loss {loss:.6f}; worst gradient {name}: error {e_row:.2e} against the plain "
                   f"bf16 model's {e_plain:.2e}{miss} {'ok' if r['ok'] else 'FAILED'}", flush=True)
         del job
-        _free(dev)
+        release(dev)
     if lead:
         print("check (bf16): " + ("FAILED" if failed else "passed"), flush=True)
     return failed, ref[0]
