@@ -142,15 +142,18 @@ def datasets(args, path: str):
     validation batches, from the held-out end of the text: the bundled trainer's own sampler."""
     from fxmegatron.train.data import Batches, eval_windows
     from fxmegatron.train.documents import text_tokens
-    from fxmegatron.train.tokens import split_stream
-    train_tokens, valid_tokens = split_stream(text_tokens([path], "bytes"), args.valid_fraction)
+    from fxmegatron.train.tokens import TokenStream, split_stream
+    stream = text_tokens([path], "bytes")
+    if args.token_bytes == 2:   # each pair of bytes one token: a 65,536-token vocabulary, Zipf-like frequencies
+        stream = TokenStream(np.memmap(path, dtype=">u2", mode="r"), name=f"{path} (byte pairs)")
+    train_tokens, valid_tokens = split_stream(stream, args.valid_fraction)
     return (Batches(train_tokens, args.seq, args.batch, args.seed),
             eval_windows(valid_tokens, args.seq, args.batch, args.val_batches))
 
 
 def model_config(args):
     from fxmegatron.models.gpt import GPTConfig
-    return GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+    return GPTConfig(vocab_size=256 ** args.token_bytes, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                      n_embd=args.hidden, dropout=0.0)
 
 
@@ -363,6 +366,9 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
     p.add_argument("--markov-order", type=int, default=5)
+    p.add_argument("--token-bytes", type=int, choices=(1, 2), default=1,
+                   help="bytes per token: 1, a vocabulary of 256; 2, each byte pair one token (65,536): "
+                        "the LM head at the size of a real tokenizer's")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--data-cache", default=None, help="where the generated text is written (default: under /tmp)")
     p.add_argument("--valid-fraction", type=float, default=0.01)
@@ -402,7 +408,7 @@ def main(argv=None) -> int:
     print(f"GPT {args.layers}L h{args.hidden} {args.heads} heads, {n_params / 1e6:.1f}M params; "
           f"{args.batch}x{args.seq} tokens/step, {args.steps} steps ({args.steps * args.batch * args.seq / 1e6:.1f}M "
           f"of {len(batches.stream) / 1e6:.1f}M training tokens); {device_name}; entropy floor "
-          f"{data['entropy_floor']:.4f} nats/byte", flush=True)
+          f"{data['entropy_floor']:.4f} nats/byte (x{args.token_bytes} a token)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     runs = {}
     for name in args.precisions:

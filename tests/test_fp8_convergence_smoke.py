@@ -109,3 +109,19 @@ def test_markov_text_is_deterministic_and_follows_the_source():
     for chain in a.reshape(8, -1):                        # chains are laid end to end
         grams = {bytes(chain[i:i + 6]) for i in range(len(chain) - 5)}
         assert grams <= seen
+
+
+def test_byte_pair_tokens_are_the_text_read_two_bytes_a_token(tmp_path):
+    """--token-bytes 2: token k is bytes 2k and 2k+1 of the text (high byte first), the model's
+    vocabulary 65,536, and the held-out end is the text's end."""
+    fc = load()
+    path = tmp_path / "text.bin"
+    raw = np.random.default_rng(0).integers(0, 256, 8000, dtype=np.uint8)
+    raw.tofile(path)
+    args = fc.parse_args(["--tiny", "--token-bytes", "2", "--seq", "7", "--batch", "2", "--val-batches", "1"])
+    batches, val = fc.datasets(args, str(path))
+    want = raw[0::2].astype(np.int64) * 256 + raw[1::2]
+    stream = batches.stream
+    assert len(stream) + round(len(want) * args.valid_fraction) == len(want)
+    assert np.array_equal(stream.read(0, len(stream)), want[:len(stream)])
+    assert fc.model_config(args).vocab_size == 65536 and int(want.max()) >= 256
