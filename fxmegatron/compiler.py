@@ -22,6 +22,7 @@ from fxmegatron.lower.stages import token_counter
 from fxmegatron.lower.torch_compile import compile_graph
 from fxmegatron.mesh import Axis
 from fxmegatron.passes.dp_shard import DP_SHARD
+from fxmegatron.passes import batch_term
 from fxmegatron.passes.loss_terms import check_split_loss, split_by
 from fxmegatron.program import PipelineProgram, RankProgram
 from fxmegatron.runtime.id_check import id_checker
@@ -49,7 +50,10 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
                             f"this mesh has {dp.size} (a mesh with a 'dp' dim of a multiple of {cfg.ep})")
     sched = cfg.make_schedule()
     split = cfg.microbatches > 1 or dp.size > 1
-    check_split_loss(cap.gm, cfg.microbatches, dp.size)     # before the passes rewrite the loss
+    check_split_loss(cap.gm, cfg.microbatches, dp.size,     # before the passes rewrite the loss
+                     batch_term.split_term(batch_term.applies(cfg.microbatches, dp.size, cfg.pipelined(),
+                                                              axes.get("cp", Axis()).size,
+                                                              axes.get("dp_replicate", Axis()).size)))
     check_ids = id_checker(cap.gm, cap.input_names, device)  # the whole vocabulary: before tp splits it
     timings = dict(timings or {})
     coords = {n: axes[n].rank for n in ("dp", "pp", "cp", "tp", "dp_cp", "ep") if n in axes}
@@ -74,8 +78,9 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
     timings.update(built.timings)
     timings["materialize_s"] += time.perf_counter() - t0
     counter = token_counter(local, device)
-    count = counter if split else None      # unsplit, no count to make each step
-    if split and count is None:
+    # unsplit, no count to make each step; a loss weighted in the graph (passes.batch_term) is weighed by one
+    count = counter if split and not local.meta.get(batch_term.WEIGHTED) else None
+    if split and count is None and not local.meta.get(batch_term.WEIGHTED):
         raise LossError(f"parallelize({split_by(cfg.microbatches, dp.size)}) weights each piece of the batch by the "
                         "labels its cross-entropy counts, but those counts cannot be computed from the batch alone "
                         "(the graph holds several cross-entropies, or the target reads weights, buffers or "

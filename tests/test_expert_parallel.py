@@ -156,9 +156,10 @@ def test_verify_simulates_ep_and_names_a_wrong_dispatch(monkeypatch):
         fxmegatron.verify(model, batch(0), tp=1, dp=2, ep=2)
 
 
-def test_a_router_loss_is_refused_at_ep_as_under_any_split_batch():
-    """ep folds onto dp, which splits the batch: a load-balancing loss over the batch is not the
-    mean of the replicas' (refused by name, as for dp and microbatches: tests/test_loss_split.py)."""
+def test_a_router_loss_at_ep_with_microbatches_is_refused():
+    """ep folds onto dp; with one microbatch the router's load-balancing loss is computed over the
+    dp batch (tests/test_batch_term.py), with two the later microbatch's statistics are not there
+    when the first's term is: refused by name, as for dp and microbatches (tests/test_loss_split.py)."""
     for msg in run_distributed(ep_router_loss_refused, 2):
         assert msg is not None and "router_aux_loss_coef" in msg and "output_router_logits=False" in msg, msg
 

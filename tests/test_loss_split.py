@@ -89,10 +89,10 @@ def test_which_losses_split_exactly(loss, why):
 
 
 def test_moe_router_loss_on_gloo_dp2_and_pp2():
-    """dp2 and pp2 × 2 microbatches refuse the router loss; dp2 without it is the plain model."""
+    """dp2 and pp2 with 2 microbatches refuse the router loss; dp2 without it is the plain model."""
     (r0, r1) = run_distributed(split_moe, 2, "granite_moe")
     for r in (r0, r1):
-        assert r["dp2"] and "parallelize(dp=2)" in r["dp2"] and "node add_" in r["dp2"], r["dp2"]
+        assert r["dp2"] and "parallelize(microbatches=2 and dp=2)" in r["dp2"] and "node add_" in r["dp2"], r["dp2"]
         assert r["pp2"] and "microbatches=2" in r["pp2"] and "node add_" in r["pp2"], r["pp2"]
         assert abs(r["loss"] - r["loss_ref"]) <= 1e-5 * abs(r["loss_ref"]), r
         assert r["grad_err"] <= 1e-4, r

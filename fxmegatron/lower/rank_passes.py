@@ -18,6 +18,7 @@ from fxmegatron.errors import LossError, ShardingError
 from fxmegatron.lower.materialize import materialize_graph
 from fxmegatron.lower.overlap_scheduler import scheduler_wraps_nodes
 from fxmegatron.mesh import Axis
+from fxmegatron.passes import batch_term
 from fxmegatron.passes.attention_kernel import fused_attention_kernel
 from fxmegatron.passes.attention_rewrites import attention_rewrites
 from fxmegatron.passes.context_parallel import apply_context_parallel
@@ -199,6 +200,11 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
         *ep_rewrite(ep),
         Pass("check_local_shapes", check_local_shapes, ensures={"local_shapes"}),
     ]
+    if batch_term.applies(cfg.microbatches, axes["dp"].size, cfg.pipelined(), axes.get("cp", Axis()).size,
+                          axes.get("dp_replicate", Axis()).size):
+        # a router's load-balancing loss from the whole batch's statistics, all-reduced over dp
+        passes.append(Pass("batch_term", lambda gm: batch_term.over_dp(gm, axes["dp"].size, DP_AXIS),
+                           requires={"local_shapes"}))
     if cfg.precision == "fp8":
         # on local shapes (the alignment check sees each rank's GEMMs) and the rewrite's placements
         # (which dim the ranks split: the amax reductions); before recompute and fuse

@@ -21,7 +21,7 @@ cross-entropy alone. Pure: reads the graph, changes nothing.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -152,10 +152,15 @@ def _cross_entropy_and_term(at):
                  if _is_cross_entropy(ce)), None)
 
 
+def cross_entropy_and_term(gm: fx.GraphModule):
+    """(the cross-entropy, the term) when the graph's loss adds a term to its cross-entropy (the
+    node ``split_loss_problem`` names when it says so), else None."""
+    return _cross_entropy_and_term(_loss_node(gm))
+
+
 def added_term(gm: fx.GraphModule) -> Optional[fx.Node]:
-    """The term the graph's loss adds to its cross-entropy (the node ``split_loss_problem``
-    names when it says so), or None."""
-    found = _cross_entropy_and_term(_loss_node(gm))
+    """The term of ``cross_entropy_and_term``, or None."""
+    found = cross_entropy_and_term(gm)
     return found[1] if found else None
 
 
@@ -194,15 +199,22 @@ def split_by(microbatches: int, dp: int) -> str:
     return " and ".join(parts)
 
 
-def check_split_loss(gm: fx.GraphModule, microbatches: int, dp: int) -> None:
+def check_split_loss(gm: fx.GraphModule, microbatches: int, dp: int,
+                     term: Optional[Callable[[fx.GraphModule], Tuple[bool, str]]] = None) -> None:
     """Raise ``LossError`` when a step split into ``microbatches`` × ``dp`` pieces would not
     compute the graph's loss on the whole batch (``split_loss_problem``); nothing to check
-    when the batch is not split."""
+    when the batch is not split. ``term``: for a loss that adds a term, (whether the layout
+    computes it exactly after all, what the error adds) (``passes.batch_term.split_term``)."""
     if microbatches * dp == 1:
         return
     problem = split_loss_problem(gm)
     if problem is None:
         return
+    if term is not None and added_term(gm) is not None:
+        exact, note = term(gm)
+        if exact:
+            return
+        problem += note
     from fxmegatron.errors import LossError
     raise LossError(
         f"parallelize({split_by(microbatches, dp)}) splits each step's batch into {microbatches * dp} pieces, but "

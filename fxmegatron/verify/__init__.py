@@ -28,19 +28,19 @@ wrong only up to some chunk, that chunk's boundary). The pipeline schedule itsel
 checked by ``schedules.simulate``. Models with dropout are compared with dropout off (eval-mode
 keys); the masks themselves are keyed by element index and cannot depend on the layout.
 
-With context parallelism (``cp``), every cp × tp rank of a replica runs (``run_grid``: a
-simulated tp group per cp rank, a cp group per tp rank, ``cp_attention``'s exchanges between
-them), gradients are summed over cp before the average over dp, and node values are joined
-over cp by their context-parallel placement (``context.py``) before the comparison.
+With context parallelism (``cp``), every cp × tp rank of a replica runs (``run_grid``: a simulated
+tp group per cp rank, a cp group per tp rank, ``cp_attention``'s exchanges between them), gradients
+are summed over cp before the average over dp, and node values are joined over cp by their
+context-parallel placement (``context.py``) before the comparison.
 
-With ``dp_shard="full"`` every rank of every replica runs at once (``simulate.run_mesh``),
-each holding its shard of every parameter; the ``unshard`` nodes gather and reduce-scatter
-over a simulated dp × cp group, and the gradients are put together from the shards
-(``sharded.py``). Under "optimizer" and "gradients" the graphs are those of "none", and the
-runtime's own ``GradSync`` reduces their buckets over the simulated group into each rank's
-pieces, from which the whole gradients are gathered (``sharded.RuntimeReduction``). Under
-hybrid sharding (``dp_replicate``) each replica group shards over its own simulated group and
-the pieces are summed over a simulated group of the replicas, as ``mesh.mesh_axes`` cuts dp.
+With ``dp_shard="full"`` every rank of every replica runs at once (``simulate.run_mesh``), each
+holding its shard of every parameter; the ``unshard`` nodes gather and reduce-scatter over a
+simulated dp × cp group, and the gradients are put together from the shards (``sharded.py``). Under
+"optimizer" and "gradients" the graphs are those of "none", and the runtime's own ``GradSync``
+reduces their buckets over the simulated group into each rank's pieces, from which the whole
+gradients are gathered (``sharded.RuntimeReduction``). Under hybrid sharding (``dp_replicate``)
+each replica group shards over its own simulated group and the pieces are summed over a simulated
+group of the replicas, as ``mesh.mesh_axes`` cuts dp.
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ from fxmegatron.errors import VerificationError
 from fxmegatron.ops.dp_gather import regather_in_backward
 from fxmegatron.passes.dp_shard import DP_SHARD
 from fxmegatron.passes.dropout_rng import dropout_sites
+from fxmegatron.passes import batch_term
 from fxmegatron.passes.loss_terms import split_loss_problem
 from fxmegatron.runtime.id_check import label_inputs
 from fxmegatron.runtime.sharded_dp import SHARDED_OPTIMIZER
@@ -68,6 +69,7 @@ from fxmegatron.passes.tp_coverage import Coverage
 from fxmegatron.placement import R, Replicate, join_shards
 from fxmegatron.schedules import ScheduleError, make_schedule
 from fxmegatron.schedules.simulate import simulate as simulate_schedule
+from fxmegatron.verify.batches import fresh_batch, with_empty_microbatch
 from fxmegatron.verify.compare import describe_users, first_divergence, rel_err
 from fxmegatron.layout import Layout
 from fxmegatron.verify.pipeline import (average_over_replicas, boundary_diagnosis, build_program,
@@ -99,55 +101,6 @@ class VerifyReport:
         return (f"verify {self.layout}: exact (loss {self.loss:.6f} vs {self.loss_ref:.6f}; largest gradient "
                 f"difference {self.max_grad_err:.1e} at {self.worst_param}; {self.nodes} nodes per rank{split}"
                 f"{sched}; {self.seconds:.1f} s)\n{self.coverage.summary()}")
-
-
-def fresh_batch(example, seed: int = 1):
-    """A batch shaped like ``example`` with other values: integer inputs drawn from the
-    example's range of non-negative values (negative entries, e.g. -100 labels, and the
-    most frequent id, e.g. padding, kept in place, and half of the rest the example's own
-    ids; 0/1 masks kept), float inputs redrawn
-    with the example's mean and spread. Each input is drawn on its own, so inputs that
-    were one tensor in the example (labels given as input_ids) differ here."""
-    g = torch.Generator().manual_seed(seed)
-
-    def redraw(x):
-        if not isinstance(x, torch.Tensor) or x.dtype == torch.bool or x.numel() == 0:
-            return x
-        if x.is_floating_point():
-            return (torch.randn(x.shape, generator=g) * x.float().std().nan_to_num(1.0) + x.float().mean()
-                    ).to(x.dtype)
-        if bool(((x == 0) | (x == 1)).all()):
-            return x.clone()
-        # padding is the most frequent id of a padded batch: its positions keep it, so rules
-        # that treat one id specially (an embedding's padding_idx) are exercised
-        values, counts = x[x >= 0].unique(return_counts=True)
-        keep = (x < 0) | ((x == values[counts.argmax()]) if counts.max() > 1 else torch.zeros_like(x, dtype=torch.bool))
-        lo, hi = int(x[x >= 0].min()), int(x[x >= 0].max())
-        new = torch.randint(lo, hi + 1, x.shape, generator=g, dtype=x.dtype)
-        # half the other positions take one of the example's ids (so the pad id also appears
-        # where the loss sees it), the rest ids drawn from its range
-        seen = x[x >= 0]
-        picked = seen[torch.randint(0, seen.numel(), x.shape, generator=g)]
-        new = torch.where(torch.rand(x.shape, generator=g) < 0.5, picked, new)
-        return torch.where(keep, x, new)
-    return pytree.tree_map(redraw, example)
-
-
-def with_empty_microbatch(batch, labels, pieces: int):
-    """``batch`` with every label of its last piece (of ``pieces``: the microbatches of every dp
-    replica) set to the loss's ignore_index (``labels``: flat position -> ignore_index, inputs
-    nothing but the loss's target reads), as in an SFT batch whose answers were cut away: a
-    microbatch that counts no token must add nothing to the step, not its 0/0."""
-    if not labels:
-        return batch
-    flat, spec = pytree.tree_flatten(batch)
-    for i, ignore in labels.items():
-        x = flat[i]
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % pieces == 0:
-            x = x.clone()
-            x[x.shape[0] - x.shape[0] // pieces:] = ignore
-            flat[i] = x
-    return pytree.tree_unflatten(flat, spec)
 
 
 def _without_dropout(gm):
@@ -213,7 +166,9 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
     dropout = bool(dropout_sites(cap.gm))
     # what parallelize refuses for a split batch: the diagnosis of a loss difference, and no
     # report of "exact" on a batch where it happens to agree
-    not_additive = split_loss_problem(cap.gm) if microbatches * dp > 1 else None
+    # a term that passes.batch_term computes over the dp batch is exact; its replicas run at once (all-reduces)
+    over_dp = microbatches * dp > 1 and batch_term.verified_together(cap.gm, lay)
+    not_additive = split_loss_problem(cap.gm) if microbatches * dp > 1 and not over_dp else None
     if dropout:
         ref_model.eval()
     if drawn and microbatches * dp > 1:
@@ -269,7 +224,7 @@ def verify(model: nn.Module, example_batch, *, tp: int = 2, pp: int = 1, virtual
 
     sharded = lay.dp_shard == "full" and dp * cp > 1
     runtime = lay.dp_shard in SHARDED_OPTIMIZER and dp * cp > 1
-    if sharded or runtime or lay.ep > 1:      # every rank at once: the collectives span the replicas
+    if sharded or runtime or lay.ep > 1 or over_dp:     # every rank at once: the collectives span the replicas
         flat = run_mesh(dp, cp, tp, lambda d, c, t, g: rank_body(d, c, t, g["tp"], g["cp"], g["dp_cp"],
                                                                  g["dp_replicate"], g["ep"]), lay.dp_replicate, lay.ep)
         results = [flat[d * cp * tp:(d + 1) * cp * tp] for d in range(dp)]

@@ -115,13 +115,13 @@ def ep_checkpoint(rank, world, directory, shard="none", dims=None):
 
 
 def ep_router_loss_refused(rank, world):
-    """parallelize at ep2 (dp2) of an MoE whose loss adds its router's load-balancing term: the
-    message of the refusal, or None."""
+    """parallelize at ep2 (dp2) with two microbatches of an MoE whose loss adds its router's
+    load-balancing term: the message of the refusal, or None."""
     import fxmegatron
     from fxmegatron.errors import LossError
     from tests.workers.loss_split import moe_batch, qwen3_moe
     try:
-        fxmegatron.parallelize(qwen3_moe(True), _mesh({"dp": world}), moe_batch(0), ep=2)
+        fxmegatron.parallelize(qwen3_moe(True), _mesh({"dp": world}), moe_batch(0), ep=2, microbatches=2)
     except LossError as exc:
         return str(exc)
     return None

@@ -77,13 +77,14 @@ def loss_and_grads(model, b):
 
 
 def split_moe(rank, world, name):
-    """dp2 and pp2 × 2 microbatches of an MoE with its router loss: refused at parallelize (the
-    message); dp2 without it: the step's loss and whole gradients next to the plain model's."""
+    """dp2 × 2 microbatches and pp2 × 2 microbatches of an MoE with its router loss: refused at
+    parallelize (the message); dp2 without it: the step's loss and whole gradients next to the
+    plain model's. (dp2 with it and one microbatch: tests/test_batch_term.py.)"""
     import fxmegatron
     from fxmegatron.errors import LossError
     from tests.workers.common import mesh_3d
     out = {}
-    for key, layout, m in (("dp2", (2, 1, 1), 1), ("pp2", (1, 2, 1), 2)):
+    for key, layout, m in (("dp2", (2, 1, 1), 2), ("pp2", (1, 2, 1), 2)):
         try:
             fxmegatron.parallelize(MOE[name](True), mesh_3d(*layout), moe_batch(0), microbatches=m)
             out[key] = None

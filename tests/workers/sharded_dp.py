@@ -22,6 +22,14 @@ def _model_and_batches(name):
         return models.build(name, n_layer=4), lambda seed: models.batch(name, seed=seed, batch_size=8)
     from tests.workers.loss_split import MOE, moe_batch
     name, _, experts = name.partition("@")      # "gpt_oss@batched_mm": transformers' experts implementation
+    name, _, aux = name.partition("+")          # "+aux": its router's load-balancing loss on (passes.batch_term)
+    if aux:
+        model, batch = _model_and_batches(name)
+        model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.1
+        model.router_aux_loss_coef = 0.1     # read from the config at construction
+        if aux == "auxmask":     # and an attention mask: the masked form of the loss (ratios of sums)
+            return model, lambda seed: {**batch(seed), "attention_mask": _mask(batch(seed))}
+        return model, batch
     if name in MOE:     # without its router loss: dp splits the batch
         model = MOE[name](False)
         if experts:
@@ -37,6 +45,13 @@ def _model_and_batches(name):
     fam = FAMILIES[name]
     torch.manual_seed(1234)
     return fam.build(), lambda seed: make_batch(fam, seed, batch_size=8)
+
+
+def _mask(b):
+    """An attention mask that hides the last two tokens of every other row."""
+    m = torch.ones_like(b["input_ids"])
+    m[::2, -2:] = 0
+    return m
 
 
 def step_batch(batch, step):
