@@ -53,7 +53,7 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
     check_ids = id_checker(cap.gm, cap.input_names, device)  # the whole vocabulary: before tp splits it
     timings = dict(timings or {})
     coords = {n: axes[n].rank for n in ("dp", "pp", "cp", "tp", "dp_cp", "ep") if n in axes}
-    built = build_rank(cap, cfg, coords, device, {n: axes[n].group_name for n in ("tp", "cp", "dp_cp", "dp_replicate", "ep")
+    built = build_rank(cap, cfg, coords, device, {n: axes[n].group_name for n in ("tp", "cp", "dp_cp", "dp_replicate", "ep", "edp")
                                                   if n in axes},
                        debug=debug)
     local, plan, placeholders = built.local, built.plan, built.placeholders
