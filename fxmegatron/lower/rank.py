@@ -98,7 +98,8 @@ def build_rank(cap: Captured, layout, coords: Mapping[str, int], device, groups:
     # experts (``rank_passes.expert_shards``)
     shards = local.meta.get(DP_SHARD)
     experts = local.meta.get(EXPERT_CUT)
-    shard_over = {n: (axes["edp"].size, axes["edp"].rank) for n in (experts[0] if experts else ()) if n in (shards or ())}
+    shard_over = {n: (axes["edp"].size, axes["edp"].rank)
+                  for n in (experts[0] if experts else ()) if n in (shards or ())}
     shard_at = dict(shards=shards, shard_world=axes["dp_cp"].size, shard_rank=axes["dp_cp"].rank,
                     experts=experts, shard_over=shard_over)
     tp, tp_rank = layout.tp, coords.get("tp", 0)
