@@ -57,8 +57,8 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
     check_ids = id_checker(cap.gm, cap.input_names, device)  # the whole vocabulary: before tp splits it
     timings = dict(timings or {})
     coords = {n: axes[n].rank for n in ("dp", "pp", "cp", "tp", "dp_cp", "ep") if n in axes}
-    built = build_rank(cap, cfg, coords, device, {n: axes[n].group_name for n in ("tp", "cp", "dp_cp", "dp_replicate", "ep")
-                                                  if n in axes},
+    named = ("tp", "cp", "dp_cp", "dp_replicate", "ep", "edp")     # edp: the experts' shards (dp_shard="full")
+    built = build_rank(cap, cfg, coords, device, {n: axes[n].group_name for n in named if n in axes},
                        debug=debug)
     local, plan, placeholders = built.local, built.plan, built.placeholders
     mode = cfg.compile if isinstance(cfg.compile, str) else None

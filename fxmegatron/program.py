@@ -100,6 +100,15 @@ class RankProgram:
         ep = Shard(experts[name]) if name in experts and "ep" in axes and axes["ep"].size > 1 else None
         return Placements.of(tp=self.placement(name), ep=ep)
 
+    def shard_axis(self, name: str) -> Axis:
+        """The ranks over which parameter ``name``'s ``dp_shard="full"`` shards are spread: an expert
+        weight under expert parallelism over the ranks holding the same experts ("edp"), any other
+        over dp × cp (under hybrid sharding one replica group's: "dp_cp")."""
+        name = self.aliases.get(name, name)
+        if name in self.experts and "ep" in self.axes and self.axes["ep"].size > 1:
+            return self.axes["edp"]
+        return self.axes.get("dp_cp", self.axes["dp"])
+
     def coords(self) -> Dict[str, Tuple[int, int]]:
         """{axis: (this rank, the axis's size)}."""
         return {d: (a.rank, a.size) for d, a in self.axes.items()}

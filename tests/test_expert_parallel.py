@@ -19,6 +19,7 @@ from fxmegatron.capture import capture
 from fxmegatron.errors import ExpertParallelError, MeshError, ShardingError
 from fxmegatron.layout import Layout
 from fxmegatron.lower.rank import build_rank
+from fxmegatron.ops.dp_gather import shard_length
 from tests.distributed import run_distributed
 from tests.workers.expert_parallel import ep_checkpoint, ep_parity, ep_router_loss_refused
 
@@ -36,6 +37,11 @@ LAYOUTS = {
     "dp2-tp2-ep2-deepseek-gpt_oss-llama4": ({"dp": 2, "tp": 2}, ("deepseek_v3", "gpt_oss", "llama4_text"), {"ep": 2}),
     # context parallelism: an ep group at each cp rank, the experts' gradients summed over edp × cp
     "dp2-cp2-ep2": ({"dp": 2, "cp": 2}, ("qwen2_moe",), {"ep": 2}),
+    # ZeRO-3: the dense weights sharded over dp, the experts over the ranks holding the same ones
+    # (edp: none at dp = ep, whole there; two at dp4 ep2), each gathered before its block
+    "dp2-ep2-full": ({"dp": 2}, ("mixtral", "qwen2_moe"), {"ep": 2, "dp_shard": "full"}),
+    "dp4-ep2-full": ({"dp": 4}, ("mixtral", "qwen2_moe"), {"ep": 2, "dp_shard": "full"}),
+    "dp4-ep2-full-recompute": ({"dp": 4}, ("qwen3_moe",), {"ep": 2, "dp_shard": "full", "recompute": "full"}),
 }
 EXPERTS = 4     # every model here
 
@@ -61,6 +67,10 @@ def test_expert_parallel_steps_match(layout):
             assert r["experts"] or "pp" in dims, (rank, name)
             for n, shape in r["experts"].items():
                 assert shape[0] == EXPERTS // ep and r["whole"][n][0] == EXPERTS, (n, shape)
+            if kw.get("dp_shard") == "full":    # every dense weight a shard of dp; an expert one of dp / ep
+                for n, (held, local) in r["held"].items():
+                    over = dims["dp"] // ep if n in r["experts"] else dims["dp"]
+                    assert held == shard_length(local, over) if over > 1 else held == local, (n, held, local, over)
 
 
 def _plan(model, batch, **layout):
@@ -93,14 +103,14 @@ def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
     with pytest.raises(ShardingError, match=r"the 6 of them do not split into groups of 4"):
         Layout(dp=6, ep=4)
     Layout(dp=2, cp=2, ep=2)        # built: the test above at dp2 × cp2
-    refused = {"dp_shard='full'": dict(dp_shard="full"), "dp_replicate=2": dict(dp_shard="optimizer", dp_replicate=2),
-               "precision='fp8'": dict(precision="fp8")}
+    refused = {"dp_replicate=2": dict(dp_shard="optimizer", dp_replicate=2), "precision='fp8'": dict(precision="fp8")}
     for named, kw in refused.items():
         for cp in (1, 2):       # with cp as without: refused naming the option, cp not among them
             with pytest.raises(ShardingError, match=rf"ep=2, {re.escape(named)}\): not built together yet .*tested "
                                                     r"with tp, sp, pp, cp, dp"):
                 Layout(dp=4, cp=cp, ep=2, **kw)
     Layout(dp=2, ep=2, dp_shard="optimizer")        # the sharded optimizer composes (tests/test_sharded_dp.py)
+    Layout(dp=4, cp=2, ep=2, dp_shard="full")       # and ZeRO-3 (the experts over edp: test above)
     with pytest.raises(ShardingError, match=r"ep=0\): a number of expert-parallel ranks"):
         Layout(ep=0)
     import fxmegatron
@@ -121,17 +131,29 @@ def test_a_dense_dispatch_under_cp_is_refused_naming_the_block():
             _plan(model, b, dp=2, cp=2, ep=ep)
 
 
-@pytest.mark.parametrize("shard", ["none", "optimizer"])
-def test_expert_shards_save_load_and_reshard_across_ep(tmp_path, shard):
+@pytest.mark.parametrize("shard, world", [("none", 2), ("optimizer", 2), ("full", 4)])
+def test_expert_shards_save_load_and_reshard_across_ep(tmp_path, shard, world):
     """Saved at ep2 (each rank of the first ep group writes its experts; under a sharded
-    optimizer each rank its pieces of the state), loaded at ep1 and saved, loaded at ep2:
-    parameters and AdamW moments as saved, bitwise, and the next two steps' losses the saving
-    run's."""
-    for r in run_distributed(ep_checkpoint, 2, str(tmp_path), shard):
+    optimizer each rank its pieces of the state; under "full" at dp4 each rank its shards, the
+    experts' cut over the two ranks holding the same ones), loaded at ep1 and saved, loaded at
+    ep2: parameters and AdamW moments as saved, bitwise, and the next two steps' losses the
+    saving run's. The "full" one is also loaded in one process: the same next loss."""
+    runs = run_distributed(ep_checkpoint, world, str(tmp_path), shard)
+    for r in runs:
         assert r["same_b"] == [] and r["same_c"] == [], r
         for tag in "bc":
             for got, want in zip(r[f"loss_{tag}"], r["loss_a"]):
                 assert abs(got - want) <= 1e-6 * want, (tag, r)
+    if shard == "full":
+        import fxmegatron
+        from fxmegatron.io import checkpoint
+        from tests.workers.sharded_dp import _model_and_batches
+        model, batch = _model_and_batches("mixtral")
+        pm = fxmegatron.parallelize(model, None, batch(0))
+        opt = pm.adamw(lr=1e-2)
+        checkpoint.load(pm, opt, str(tmp_path / "a"))
+        loss = pm.train_step(batch(21)).item()
+        assert abs(loss - runs[0]["loss_a"][0]) <= 1e-6 * loss, (loss, runs[0]["loss_a"])
 
 
 def test_verify_simulates_ep_and_names_a_wrong_dispatch(monkeypatch):
@@ -164,13 +186,15 @@ def test_a_router_loss_at_ep_with_microbatches_is_refused():
         assert msg is not None and "router_aux_loss_coef" in msg and "output_router_logits=False" in msg, msg
 
 
-def test_verify_refuses_ep_with_a_sharded_optimizer_by_name():
-    """verify's simulated reduction shards every gradient over dp; the experts' are reduced over
-    their own group: refused, pointing to the layout without sharding (which it runs)."""
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_verify_refuses_ep_with_a_sharded_optimizer_by_name(shard):
+    """verify's simulated reduction shards every gradient over dp (and under "full" joins every
+    shard over dp); the experts' are reduced and sharded over their own group: refused, pointing to
+    the layout without sharding (which it runs)."""
     import fxmegatron
     from fxmegatron.errors import VerificationError
     from tests.workers.sharded_dp import _model_and_batches
     model, batch = _model_and_batches("mixtral")
-    with pytest.raises(VerificationError, match=r"verify\(ep=2, dp_shard='optimizer'\): not simulated yet.*"
+    with pytest.raises(VerificationError, match=rf"verify\(ep=2, dp_shard='{shard}'\): not simulated yet.*"
                                                 r"dp_shard='none'"):
-        fxmegatron.verify(model, batch(0), dp=2, ep=2, dp_shard="optimizer")
+        fxmegatron.verify(model, batch(0), dp=2, ep=2, dp_shard=shard)

@@ -23,6 +23,10 @@ LAYOUTS = {
     "dp2-compile": ({"dp": 2}, ("llama",), {"compile": True}),
     # interleaved: GPT-2's tied embedding and head on two stages, each gathered in its own chunk
     "dp2-pp2-v2": ({"dp": 2, "pp": 2}, ("gpt2",), {"microbatches": 4, "virtual_stages": 2}),
+    # expert parallelism: the experts sharded over the ranks holding the same ones (none at dp = ep:
+    # whole there; two at dp4 ep2), the rest over dp; the norm from every rank's shards
+    "dp2-ep2": ({"dp": 2}, ("qwen2_moe",), {"ep": 2}),
+    "dp4-ep2": ({"dp": 4}, ("mixtral",), {"ep": 2}),
 }
 
 
@@ -35,11 +39,14 @@ def test_fully_sharded_steps_match(layout):
     shards = dims["dp"] * dims.get("cp", 1)
     per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, {"dp_shard": "full", **kw})
     _check(per_rank, world)
+    edp = shards // kw.get("ep", 1)     # the ranks an expert weight (its E/ep experts) is sharded over
     for res in per_rank:
         for r in res.values():
-            # this rank's parameters: 1/(dp·cp) of its whole (tp) pieces, and padding to 64 elements a shard
-            assert r["param_numel"] <= r["whole_numel"] / shards + 64 * r["n_params"], r
-            assert r["param_numel"] >= r["whole_numel"] / shards, r
+            # this rank's parameters: 1/(dp·cp) of its whole (tp) pieces (its experts' 1/edp), and padding
+            # to 64 elements a shard
+            want = (r["whole_numel"] - r["expert_whole"]) / shards + r["expert_whole"] / edp
+            assert r["param_numel"] <= want + 64 * r["n_params"], r
+            assert r["param_numel"] >= want, r
             assert r["state_bytes"] == 12 * r["param_numel"], r      # fp32 master, m, v of the shards only
 
 

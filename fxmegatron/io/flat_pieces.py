@@ -37,7 +37,7 @@ def param_ranges(pm, name: str, p: torch.Tensor) -> Iterator[Tuple[int, int, tor
     shape = pm.program.dp_shards.get(name) if pm.dp_shard == "full" else None
     if shape is None or p.dim() == 0:
         return
-    group, _ = shard_group(pm)
+    group = pm.program.shard_axis(name)      # dp × cp, or an expert weight's edp group
     n, s = math.prod(shape), shard_length(math.prod(shape), group.size)
     start, stop = min(group.rank * s, n), min(group.rank * s + s, n)
     yield start, stop, p.detach().reshape(-1)[:stop - start]

@@ -101,7 +101,8 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
                       params: Optional[Dict[str, torch.nn.Parameter]] = None,
                       groups: Optional[Mapping[str, str]] = None,
                       shards: Optional[Mapping[str, tuple]] = None, shard_world: int = 1,
-                      shard_rank: int = 0, experts: Optional[tuple] = None) -> fx.GraphModule:
+                      shard_rank: int = 0, experts: Optional[tuple] = None,
+                      shard_over: Optional[Mapping[str, Tuple[int, int]]] = None) -> fx.GraphModule:
     """``gm``'s graph with this rank's parameter shards, the buffers, constants and
     submodules it uses, on ``device`` ("meta": local shapes, no values). Constants are
     taken from ``source`` where it has them (the graph before it went to meta). ``params``
@@ -112,7 +113,9 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
     ``gm.meta[DIGESTS]``, for the check that every data-parallel replica built the same model.
     ``experts``: (parameter -> experts dim, ep rank, ep) of expert parallelism: each of those
     parameters keeps its rank's E/ep experts (after the tp cut); its whole local piece's digest
-    goes to ``DIGESTS`` as well."""
+    goes to ``DIGESTS`` as well. ``shard_over``: name -> (world, rank) of a sharded parameter
+    spread over another group than ``shard_world`` (an expert weight over the ranks holding
+    the same experts)."""
     params = {} if params is None else params
     shards = shards or {}
     root, digests = {}, {}
@@ -128,8 +131,10 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
                     if cut is not None:
                         digests[t] = digest
                     if t in shards:
-                        digests[t] = weight_digest(params[t])
-                        params[t] = nn.Parameter(take_dp_shard(params[t], shard_world, shard_rank),
+                        # an expert weight's replicas compare the piece before its experts were cut
+                        digests.setdefault(t, weight_digest(params[t]))
+                        size, at = (shard_over or {}).get(t, (shard_world, shard_rank))
+                        params[t] = nn.Parameter(take_dp_shard(params[t], size, at),
                                                  requires_grad=params[t].requires_grad)
                 root[t] = params[t]
             elif t in cap.buffers:

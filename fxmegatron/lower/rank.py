@@ -17,8 +17,8 @@ import torch.fx as fx
 
 from fxmegatron.capture import Captured
 from fxmegatron.lower.materialize import materialize_graph
-from fxmegatron.lower.rank_passes import (CP_AXIS, COVERAGE, DP_AXIS, DP_REPLICATE_AXIS, EP_AXIS, EXPERT_CUT, PLAN,
-                                          TP_AXIS, rank_passes)
+from fxmegatron.lower.rank_passes import (CP_AXIS, COVERAGE, DP_AXIS, DP_REPLICATE_AXIS, EDP_AXIS, EP_AXIS, EXPERT_CUT,
+                                          PLAN, TP_AXIS, rank_passes)
 from fxmegatron.passes.dp_shard import DP_SHARD
 from fxmegatron.lower.stages import Stage, boundary_specs, build_stage
 from fxmegatron.mesh import Axis
@@ -91,12 +91,17 @@ def build_rank(cap: Captured, layout, coords: Mapping[str, int], device, groups:
     if device is None:
         build = []
     bound = {TP_AXIS: groups.get("tp", ""), CP_AXIS: groups.get("cp", ""), DP_AXIS: groups.get("dp_cp", ""),
-             DP_REPLICATE_AXIS: groups.get("dp_replicate", ""), EP_AXIS: groups.get("ep", "")}
+             DP_REPLICATE_AXIS: groups.get("dp_replicate", ""), EP_AXIS: groups.get("ep", ""),
+             EDP_AXIS: groups.get("edp", "")}
     # dp_shard="full": the parameters' shards over dp × cp (under dp_replicate, one replica group's
-    # dp ranks × cp), whose ranks are dp-major
+    # dp ranks × cp), whose ranks are dp-major; an expert weight's over the ranks holding the same
+    # experts (``rank_passes.expert_shards``)
     shards = local.meta.get(DP_SHARD)
+    experts = local.meta.get(EXPERT_CUT)
+    shard_over = {n: (axes["edp"].size, axes["edp"].rank)
+                  for n in (experts[0] if experts else ()) if n in (shards or ())}
     shard_at = dict(shards=shards, shard_world=axes["dp_cp"].size, shard_rank=axes["dp_cp"].rank,
-                    experts=local.meta.get(EXPERT_CUT))
+                    experts=experts, shard_over=shard_over)
     tp, tp_rank = layout.tp, coords.get("tp", 0)
     t0 = time.perf_counter()
     if not layout.pipelined():

@@ -53,6 +53,7 @@ CP_AXIS = "@cp"
 DP_AXIS = "@dp"     # the ranks that sum gradients: dp, or dp × cp (``dp_shard="full"`` shards over them)
 DP_REPLICATE_AXIS = "@dp_replicate"    # under hybrid sharding: the ranks that hold the same shards
 EP_AXIS = "@ep"     # expert parallelism: the ranks that share their experts
+EDP_AXIS = "@edp"   # ... and the ranks that hold the same experts (``dp_shard="full"`` shards the experts over them)
 EXPERTS, EXPERT_CUT = "fxmegatron/experts", "fxmegatron/expert_cut"     # keys in GraphModule.meta
 # data-parallel replicas see different samples: their dropout masks must differ too
 DP_SEED_STRIDE = 0x9E3779B1
@@ -160,6 +161,18 @@ def ep_rewrite(ep: Axis) -> List[Pass]:
                  requires={"experts_found", "tp_rewritten"})]
 
 
+def expert_shards(gm: fx.GraphModule, params, edp: Axis):
+    """The parameters ``dp_shard="full"`` shards, and those it shards over the expert-data-parallel
+    group ("edp", ``EDP_AXIS``) rather than dp × cp: under expert parallelism an expert weight
+    (``EXPERT_CUT``) holds E/ep experts, the same on the edp ranks alone, so it is sharded over them;
+    where edp is one rank (dp = ep, no cp) there is nothing to shard it over and it stays whole
+    (its gradient is averaged by the experts' ``GradSync``, ``runtime.model``)."""
+    experts = gm.meta[EXPERT_CUT][0] if EXPERT_CUT in gm.meta else {}
+    if edp.size == 1:
+        return [n for n in params if n not in experts], {}
+    return list(params), {n: (edp.size, EDP_AXIS) for n in experts}
+
+
 def shard_world_of(axes: Mapping[str, Axis]) -> int:
     """The ranks a parameter's shards are spread over: dp × cp, or under hybrid sharding one
     replica group's dp ranks × cp (the "dp_cp" axis of ``mesh.mesh_axes``)."""
@@ -224,12 +237,13 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
         again = bool(cfg.compile) and not (policy is not None and policy.blocks)
         # compiled: torch's functional collectives, which inductor can schedule (ops.dp_gather)
         replicas = DP_REPLICATE_AXIS if axes.get("dp_replicate", Axis()).size > 1 else ""
-        passes.append(Pass("dp_shard", lambda gm: shard_parameters(gm, cap.params.keys(), shard_world,
-                                                                   axes["dp"].size, DP_AXIS, again,
-                                                                   per_use=cfg.pipelined(),
-                                                                   functional=bool(cfg.compile),
-                                                                   replicate_group=replicas),
-                           requires={"local_shapes"}))
+
+        def shard(gm):
+            params, apart = expert_shards(gm, cap.params.keys(), axes.get("edp", Axis()))
+            return shard_parameters(gm, params, shard_world, axes["dp"].size, DP_AXIS, again, per_use=cfg.pipelined(),
+                                    functional=bool(cfg.compile), replicate_group=replicas, apart=apart)
+
+        passes.append(Pass("dp_shard", shard, requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
     compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"
     if cfg.compile:     # a written-out tanh GeLU, as one op for the GeLU passes below
@@ -251,4 +265,5 @@ def groups(axes: Mapping[str, Axis]) -> dict:
     """The binding of the passes' axis names to this rank's process groups."""
     return {TP_AXIS: axes["tp"].group_name, CP_AXIS: axes.get("cp", Axis()).group_name,
             DP_AXIS: axes.get("dp_cp", axes["dp"]).group_name,
-            DP_REPLICATE_AXIS: axes.get("dp_replicate", Axis()).group_name, EP_AXIS: axes.get("ep", Axis()).group_name}
+            DP_REPLICATE_AXIS: axes.get("dp_replicate", Axis()).group_name, EP_AXIS: axes.get("ep", Axis()).group_name,
+            EDP_AXIS: axes.get("edp", Axis()).group_name}

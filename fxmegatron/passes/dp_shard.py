@@ -22,6 +22,12 @@ How the whole parameters are dropped between forward and backward:
   shards, and the backward gathers the group again (``ops.dp_gather.regather_in_backward``,
   around each forward of ``ParallelModel.train_step``).
 
+Expert parallelism (``apart``): an expert weight the ep pass cut to E/ep is held by fewer ranks
+than the dense weights (the "edp" group: dp / ep × cp, the ranks holding the same experts), so it
+is sharded, gathered and reduce-scattered over that group: a block's parameters then form one
+group per collective group, each with its own ``unshard``, as torchtitan shards experts over its
+expert-data-parallel mesh.
+
 Preconditions: local shapes (after the tensor-parallel rewrite and ``localize``); before
 ``recompute``. ``gm.meta[DP_SHARD]`` names each sharded parameter with its local shape, for
 materialisation.
@@ -29,7 +35,7 @@ materialisation.
 from __future__ import annotations
 
 import operator
-from typing import Collection, Dict, List
+from typing import Collection, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -48,14 +54,19 @@ def _set_param(gm: fx.GraphModule, name: str, value: nn.Parameter) -> None:
 
 def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, divisor: int, group_name: str,
                      recompute_gather: bool, per_use: bool = False, functional: bool = False,
-                     replicate_group: str = "") -> fx.GraphModule:
+                     replicate_group: str = "",
+                     apart: Optional[Mapping[str, Tuple[int, str]]] = None) -> fx.GraphModule:
     """Shard every parameter in ``params`` over a group of ``world`` ranks named ``group_name``
     and gather each block's before the block (see the module's docstring). ``functional``: the
     gathers are torch's functional collectives, which inductor's overlap scheduler moves
     (``ops.dp_gather``). ``replicate_group``: under hybrid sharding, the group of the ranks that
-    hold the same shards in the other replica groups, over which the reduced shards are summed."""
-    if world == 1:
+    hold the same shards in the other replica groups, over which the reduced shards are summed.
+    ``apart``: parameter -> (world, group name) for those sharded over another group (expert
+    parallelism's experts over "edp"); a block gathers them in an ``unshard`` of their own."""
+    apart = apart or {}
+    if world == 1 and not apart:
         return gm
+    over = {name: apart.get(name, (world, group_name)) for name in params}
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     attrs: Dict[str, List[fx.Node]] = {}
@@ -69,7 +80,8 @@ def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, di
         users = sorted({u for g in gets for u in g.users}, key=order.__getitem__)
         blocks = {block_of(u) for u in users}
         if len(blocks) == 1 and "" not in blocks:
-            keys = [(next(iter(blocks)), users[0])]
+            # a block's parameters sharded over another group (experts) form a gather of their own
+            keys = [(next(iter(blocks)) + (f" over {apart[name][1]}" if name in apart else ""), users[0])]
         elif per_use and len(users) > 1:
             keys = [(f"param:{name}@{u.name}", u) for u in users]
             only.update({k: u for k, u in keys})
@@ -83,13 +95,14 @@ def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, di
     for name in attrs:
         p = gm.get_parameter(name)
         shapes[name] = tuple(p.shape)
-        s = shard_length(p.numel(), world)
+        s = shard_length(p.numel(), over[name][0])
         _set_param(gm, name, nn.Parameter(torch.empty(s, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad))
         for g in attrs[name]:
             old = g.meta.get("val")
             g.meta["val"] = old.new_empty((s,)) if old is not None else None
     for key, names in groups.items():
         at = first[key]
+        size, group = over[names[0]]      # every name of a group is sharded over the same ranks
         got: List[fx.Node] = []
         for name in names:
             gets = attrs[name]
@@ -105,8 +118,8 @@ def shard_parameters(gm: fx.GraphModule, params: Collection[str], world: int, di
             at.prepend(gets[0])
             got.append(gets[0])
         with gm.graph.inserting_before(at):
-            call = gm.graph.call_function(unshard, ([*got], [list(shapes[n]) for n in names], world, divisor,
-                                                    group_name, recompute_gather, functional, replicate_group))
+            call = gm.graph.call_function(unshard, ([*got], [list(shapes[n]) for n in names], size, divisor,
+                                                    group, recompute_gather, functional, replicate_group))
             outs = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(names))]
         for node in [call, *outs]:
             node.meta["nn_module_stack"] = dict(at.meta.get("nn_module_stack") or {})

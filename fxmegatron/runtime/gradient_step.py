@@ -28,8 +28,8 @@ class GradientStep:
             return False
         ep = self.program.axes.get("ep")
         if ep is not None and ep.size > 1 and name not in self.program.experts and ep.rank != 0 \
-                and self.dp_shard not in SHARDED_OPTIMIZER:
-            return False        # replicated over ep: counted on its first rank (a piece: on its own)
+                and self.dp_shard == "none":
+            return False        # replicated over ep: counted on its first rank (a piece or a shard: on its own)
         holders = self._holders.get(name)
         return holders is None or holders[0] == self.pp_rank
 
@@ -46,8 +46,10 @@ class GradientStep:
             return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
                              partial_over=sync, sum_over=("tp", "pp"))
         named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]
-        return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
-                         partial_over=sync if self.dp_shard == "full" else None)
+        if self.dp_shard == "full":     # shards: each element on one rank of dp × cp (an expert's too), as above
+            return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device,
+                             partial_over=sync, sum_over=("tp", "pp"))
+        return grad_norm(named, self._norm_slots, self._counts_square, self.program.axes, self.program.device)
 
     def adamw(self, params=None, **hyper):
         """The optimizer for this rank: ``fxmegatron.optim.FusedAdamW`` over ``params`` (this

@@ -89,6 +89,13 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
                 and self.dp_shard != "gradients":
             self._grad_accum = Fp32GradAccumulator(list(self.parameters()), uses)
         # "full": the parameters are shards and autograd reduce-scatters their gradients (passes.dp_shard)
+        experts = self._expert_params()
+        if self.dp_shard == "full" and experts and ax["edp"].size == 1:
+            # dp = ep, no cp: the experts are held whole (no rank holds the same ones to shard them
+            # over, rank_passes.expert_shards), their gradients summed over their ep group's tokens
+            # already: only the / dp that unshard's reduce-scatter does for the rest
+            self._expert_sync = GradSync([p for p in self.parameters() if id(p) in experts], uses, ax["edp"].group,
+                                         1, divisor=self.dp_size, sum_dtype=grad_accum_dtype)
         if sync.size > 1 and self.dp_shard != "full":
             shared = pipe.stage.shared if pipe is not None else {}
             alone = {id(p) for n, p in self.named_parameters() if n in shared}
@@ -96,7 +103,6 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
             # expert parallelism: an expert weight's gradient holds the sum over its ep group's tokens
             # already; it is summed over the ranks holding the same experts (dp / ep of them, × cp: each
             # cp rank's over its part of the sequence), then / dp as the rest
-            experts = self._expert_params()
             self._grad_sync = GradSync([p for p in self.parameters() if id(p) not in experts], uses, sync.group,
                                        sync.size, divisor=self.dp_size,
                                        shard=self.dp_shard != "none", rank=sync.rank, alone=alone,

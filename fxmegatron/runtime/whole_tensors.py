@@ -25,12 +25,13 @@ class WholeTensors:
     def whole_local(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` (parameter ``name`` or a tensor of its shape: its gradient, an optimizer state)
         as this rank's whole tensor-parallel piece: under ``dp_shard="full"`` all-gathered from
-        the data-parallel shards (collective over dp × cp), otherwise ``t`` itself (and a 0-d
+        the data-parallel shards (collective over dp × cp, an expert weight's over the ranks
+        holding the same experts: ``program.shard_axis``), otherwise ``t`` itself (and a 0-d
         tensor, such as a step count)."""
         shape = self.program.dp_shards.get(name) if self.dp_shard == "full" else None
         if shape is None or t.dim() == 0:
             return t
-        sync = self.program.axes.get("dp_cp", self.program.axes["dp"])
+        sync = self.program.shard_axis(name)
         out = t.new_empty(t.numel() * sync.size)
         all_gather(out, t.detach().contiguous(), sync.group)
         return whole(out, shape)
@@ -41,7 +42,7 @@ class WholeTensors:
         shape = self.program.dp_shards.get(name) if self.dp_shard == "full" else None
         if shape is None or t.dim() == 0:
             return t
-        sync = self.program.axes.get("dp_cp", self.program.axes["dp"])
+        sync = self.program.shard_axis(name)
         return take_shard(t, sync.size, sync.rank)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:

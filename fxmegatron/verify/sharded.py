@@ -24,9 +24,10 @@ from fxmegatron.runtime.sharded_dp import SHARDED_OPTIMIZER
 
 
 def check_simulated(lay) -> None:
-    """Refuse what is not simulated: ep with a sharded optimizer (the experts' pieces are reduced
-    over their own group, not over dp as ``RuntimeReduction`` reduces every piece)."""
-    if lay.ep > 1 and lay.dp_shard in SHARDED_OPTIMIZER:
+    """Refuse what is not simulated: ep with a sharded optimizer or parameters (the experts' pieces
+    are reduced, and under "full" sharded, over their own group, not over dp as
+    ``RuntimeReduction`` and ``join_dp_shards`` take every piece)."""
+    if lay.ep > 1 and lay.dp_shard != "none":
         raise VerificationError(f"verify(ep={lay.ep}, dp_shard={lay.dp_shard!r}): not simulated yet (the experts' "
                                 "pieces are reduced over their own group); verify the layout with dp_shard='none': "
                                 "the sharded optimizer changes no gradient, only where each piece is kept")

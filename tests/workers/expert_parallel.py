@@ -1,6 +1,7 @@
 """Workers of tests/test_expert_parallel.py: MoE models at ep > 1 against the unmodified model,
 step by step, on gloo."""
 import copy
+import math
 
 import torch
 
@@ -55,7 +56,12 @@ def ep_parity(rank, world, dims, names, kw, steps=3):
         if pm.program.pipeline is None and "cp" not in dims:
             logits_err = ((pm.logits(b) - out_ref.logits).abs().max() / out_ref.logits.abs().max()).item()
         out[name] = {"losses": losses, "losses_ref": losses_ref, "errs": errs, "eval": evals, "logits_err": logits_err,
-                     "experts": {n: tuple(p.shape) for n, p in pm.named_parameters() if n in pm.program.experts},
+                     # an expert's local shape (under dp_shard="full" the piece its shard is cut from), and
+                     # how many elements each parameter holds here
+                     "experts": {n: tuple(pm.program.dp_shards.get(n, p.shape)) for n, p in pm.named_parameters()
+                                 if n in pm.program.experts},
+                     "held": {n: (p.numel(), math.prod(pm.program.dp_shards.get(n, p.shape)))
+                              for n, p in pm.named_parameters()},
                      "whole": {n: tuple(p.shape) for n, p in model.named_parameters() if n in pm.program.experts}}
     return out
 
@@ -82,7 +88,9 @@ def ep_checkpoint(rank, world, directory, shard="none", dims=None):
     def state(pm, opt):
         full = pm.full_state_dict()
         names = {id(p): n for n, p in pm.named_parameters()}
-        moments = {names[id(p)]: gather_layout(st["exp_avg"], pm.program.param_layout(names[id(p)]), pm.program.axes)
+        # under dp_shard="full" a moment is a flat shard, as its parameter: whole_local puts it together
+        moments = {names[id(p)]: gather_layout(pm.whole_local(names[id(p)], st["exp_avg"]),
+                                               pm.program.param_layout(names[id(p)]), pm.program.axes)
                    for p, st in getattr(opt, "state", {}).items()}
         return full, moments
 

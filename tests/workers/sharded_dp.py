@@ -127,6 +127,8 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
         out[name] = {"losses": losses, "losses_ref": losses_ref, "norms": norms, "norms_ref": norms_ref, "err": err,
                      "state_bytes": opt.state_bytes(), "param_numel": numel,
                      "expert_numel": sum(p.numel() for n, p in pm.named_parameters() if n in pm.program.experts),
+                     "expert_whole": sum(math.prod(pm.program.dp_shards.get(n, p.shape))
+                                         for n, p in pm.named_parameters() if n in pm.program.experts),
                      "noise": sum(int((g <= 1e-6 * top).sum()) for g in grad_max.values()),
                      "whole_numel": whole, "n_params": len(list(pm.parameters())), "buckets": len(pm._grad_sync.buckets) if pm._grad_sync else 0,
                      "chunks": len(getattr(opt, "chunks", ()))}
