@@ -150,14 +150,15 @@ class Layout:
             # the sharded optimizer composes (each of the two gradient reductions shards its own
             # buckets), and so does cp (an ep group sits at one cp rank; the experts' gradients are
             # summed over the dp / ep ranks × cp); so does "full" (the experts sharded over those
-            # ranks, the dense weights over dp × cp: rank_passes.expert_shards)
-            built = (("dp_replicate", (1,)), ("precision", ("bf16",)))
+            # ranks, the dense weights over dp × cp: rank_passes.expert_shards); and FP8 (its linears
+            # are the dense ones, each on its rank's own tokens; the experts' grouped GEMMs stay bf16)
+            built = (("dp_replicate", (1,)),)
             other = [f"{n}={getattr(self, n)!r}" for n, off in built if getattr(self, n) not in off]
             if other:
                 raise ShardingError(f"parallelize(ep={self.ep}, {', '.join(other)}): not built together yet (expert "
                                     "parallelism is tested with tp, sp, pp, cp, dp, every dp_shard mode ('full': "
-                                    "the experts sharded over the ranks holding the same ones), and microbatches; "
-                                    "not with dp_replicate > 1 or precision='fp8'): leave one out")
+                                    "the experts sharded over the ranks holding the same ones), microbatches and "
+                                    "FP8, not with dp_replicate > 1): leave one out")
         if self.cp_attention not in CP_ATTENTIONS:
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:

@@ -103,7 +103,8 @@ def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
     with pytest.raises(ShardingError, match=r"the 6 of them do not split into groups of 4"):
         Layout(dp=6, ep=4)
     Layout(dp=2, cp=2, ep=2)        # built: the test above at dp2 × cp2
-    refused = {"dp_replicate=2": dict(dp_shard="optimizer", dp_replicate=2), "precision='fp8'": dict(precision="fp8")}
+    refused = {"dp_replicate=2": dict(dp_shard="optimizer", dp_replicate=2)}
+    Layout(dp=2, ep=2, precision="fp8")     # built: test_ep_with_fp8_is_the_fp8_run_without_ep
     for named, kw in refused.items():
         for cp in (1, 2):       # with cp as without: refused naming the option, cp not among them
             with pytest.raises(ShardingError, match=rf"ep=2, {re.escape(named)}\): not built together yet .*tested "
@@ -198,3 +199,16 @@ def test_verify_refuses_ep_with_a_sharded_optimizer_by_name(shard):
     with pytest.raises(VerificationError, match=rf"verify\(ep=2, dp_shard='{shard}'\): not simulated yet.*"
                                                 r"dp_shard='none'"):
         fxmegatron.verify(model, batch(0), dp=2, ep=2, dp_shard=shard)
+
+
+def test_ep_with_fp8_is_the_fp8_run_without_ep():
+    """FP8 (emulated on the CPU) at dp2 × ep2 is the FP8 run at dp2 (ep1) step by step: its linears
+    (attention, a shared expert) run on each rank's own tokens at any ep, the experts' grouped GEMMs
+    stay in bf16; losses and every whole gradient over three SGD steps, with FP8 linears present."""
+    from tests.workers.ep_fp8 import ep_against_dp
+    for name, fp8_at_least in (("mixtral", 8), ("qwen2_moe", 14)):
+        for r in run_distributed(ep_against_dp, 2, name, {"precision": "fp8"}):
+            (ref, got), errs = r["losses"], r["errs"]
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, ref)), (name, got, ref)
+            assert max(max(e.values()) for e in errs) <= 1e-4, (name, errs)
+            assert len(r["fp8"]) >= fp8_at_least, (name, r["fp8"])
