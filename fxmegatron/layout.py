@@ -146,19 +146,16 @@ class Layout:
         if self.ep > 1 and self.dp > 1 and self.dp % self.ep:
             raise ShardingError(f"parallelize(ep={self.ep}): expert parallelism folds onto the data-parallel ranks, "
                                 f"and the {self.dp} of them do not split into groups of {self.ep}")
-        if self.ep > 1:
-            # the sharded optimizer composes (each of the two gradient reductions shards its own
-            # buckets), and so does cp (an ep group sits at one cp rank; the experts' gradients are
-            # summed over the dp / ep ranks × cp); so does "full" (the experts sharded over those
-            # ranks, the dense weights over dp × cp: rank_passes.expert_shards); and FP8 (its linears
-            # are the dense ones, each on its rank's own tokens; the experts' grouped GEMMs stay bf16)
-            built = (("dp_replicate", (1,)),)
-            other = [f"{n}={getattr(self, n)!r}" for n, off in built if getattr(self, n) not in off]
-            if other:
-                raise ShardingError(f"parallelize(ep={self.ep}, {', '.join(other)}): not built together yet (expert "
-                                    "parallelism is tested with tp, sp, pp, cp, dp, every dp_shard mode ('full': "
-                                    "the experts sharded over the ranks holding the same ones), microbatches and "
-                                    "FP8, not with dp_replicate > 1): leave one out")
+        if self.ep > 1 and self.dp_replicate > 1 and self.dp > 1 and self.dp // self.dp_replicate % self.ep:
+            raise ShardingError(f"parallelize(ep={self.ep}, dp_replicate={self.dp_replicate}): an ep group must lie "
+                                f"inside one replica group, and ep does not divide the {self.dp} data-parallel ranks "
+                                f"/ {self.dp_replicate} groups = {self.dp // self.dp_replicate}")
+        # ep composes with every other option: the sharded optimizer (each of the two gradient
+        # reductions shards its own buckets), cp (an ep group at each cp rank, the experts' gradients
+        # summed over the dp / ep ranks × cp), "full" (the experts sharded over those ranks, the dense
+        # weights over dp × cp: rank_passes.expert_shards), dp_replicate (the ep groups inside a
+        # replica group, the pieces summed over the groups) and FP8 (the linears are the dense ones,
+        # each on its rank's own tokens; the experts' grouped GEMMs stay bf16)
         if self.cp_attention not in CP_ATTENTIONS:
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:

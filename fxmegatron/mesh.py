@@ -44,7 +44,9 @@ def mesh_axes(mesh, dp_replicate: int = 1, ep: int = 1) -> Dict[str, Axis]:
     gradients, or under ``dp_replicate`` > 1 the ranks of one replica group, which shard them;
     "dp_replicate": the ranks that hold the same shard). ``ep`` > 1: expert parallelism folded onto
     dp, "ep" the ep consecutive dp ranks (at one cp rank) that share their experts, "edp" the ranks
-    that hold the same experts, dp / ep of them times cp (their gradients summed over them)."""
+    that hold the same experts, dp / ep of them times cp (their gradients summed over them); under
+    ``dp_replicate`` > 1 those of one replica group, dp / dp_replicate / ep times cp, the holders of
+    the same experts in the other groups being "dp_replicate" (as the dense weights' pieces)."""
     if mesh is None:
         return {n: Axis() for n in ALL_AXES}
     # the tests' stand-ins (and any object with DeviceMesh's interface) pass; a device name,
@@ -72,7 +74,7 @@ def mesh_axes(mesh, dp_replicate: int = 1, ep: int = 1) -> Dict[str, Axis]:
     axes["dp_replicate"] = Axis()
     axes["ep"], axes["edp"] = Axis(), axes["dp"]
     if ep > 1:
-        _experts(mesh, names, axes, ep)
+        _experts(mesh, names, axes, ep, dp_replicate)
     if dp_replicate > 1:
         return _hybrid(mesh, names, axes, dp_replicate)
     both = [n for n in ("dp", "cp") if axes[n].size > 1]
@@ -93,7 +95,7 @@ def _hybrid(mesh, names, axes: Dict[str, Axis], replicate: int) -> Dict[str, Axi
     if shard * axes["cp"].size == 1:
         raise MeshError(f"dp_replicate={replicate} = dp leaves each group one rank to shard over: that is plain "
                         "data parallelism (dp_shard='none', dp_replicate=1)")
-    split = _split_mesh(mesh, names, replicate, shard)
+    split = _split_mesh(mesh, names, (replicate, shard))
     axes["dp_replicate"] = _axis(split["dp_replicate"])
     if axes["cp"].size > 1:
         axes["dp_cp"] = _axis(split["dp_shard", "cp"]._flatten("dp_shard_cp"))
@@ -102,28 +104,38 @@ def _hybrid(mesh, names, axes: Dict[str, Axis], replicate: int) -> Dict[str, Axi
     return axes
 
 
-def _experts(mesh, names, axes: Dict[str, Axis], ep: int) -> None:
-    # the dp dim cut in (dp / ep, ep): ep consecutive dp ranks share their experts
+def _experts(mesh, names, axes: Dict[str, Axis], ep: int, replicate: int = 1) -> None:
+    # the dp dim cut in (dp_replicate, edp, ep): ep consecutive dp ranks share their experts, and an
+    # ep group lies inside one replica group, so that the experts, like the dense weights, are
+    # sharded within a group and their pieces summed over "dp_replicate" (whose ranks hold the same
+    # experts: the same place in another group)
     dp = axes["dp"].size
     if dp % ep:
         raise MeshError(f"ep={ep}: expert parallelism folds onto the data-parallel ranks, and the mesh's dp dim "
                         f"of {dp} does not split into groups of {ep}")
-    split = _split_mesh(mesh, names, dp // ep, ep, ("edp", "ep"))
+    if replicate > 1 and (dp % replicate or dp // replicate % ep):
+        raise MeshError(f"ep={ep}, dp_replicate={replicate}: an ep group must lie inside one replica group, and "
+                        f"ep does not divide the {dp} dp ranks / {replicate} groups")
+    group = dp // replicate
+    # (a dim of one replica group would make DeviceMesh create a group per rank for nothing)
+    sizes, dims = ((replicate,), ("dp_replicate",)) if replicate > 1 else ((), ())
+    split = _split_mesh(mesh, names, sizes + (group // ep, ep), dims + ("edp", "ep"))
     axes["ep"] = _axis(split["ep"])
     # every cp rank holds the same experts (an ep group sits at one cp rank; routing is per token),
-    # each their gradient over its part of the sequence: summed over the dp / ep ranks × cp
+    # each their gradient over its part of the sequence: summed over the dp / ep ranks × cp (of
+    # one replica group)
     cp = axes["cp"].size > 1
     axes["edp"] = _axis(split["edp", "cp"]._flatten("edp_cp") if cp else split["edp"])
 
 
-def _split_mesh(mesh, names, outer: int, inner: int, dims=("dp_replicate", "dp_shard")) -> DeviceMesh:
+def _split_mesh(mesh, names, sizes: Tuple[int, ...], dims=("dp_replicate", "dp_shard")) -> DeviceMesh:
     # kept on the user's mesh: every parallelize of it would otherwise create new process groups
     # (NCCL communicators, never freed), and the mesh's lifetime is theirs
     cache = getattr(mesh, "__dict__", {}).setdefault("_fxmegatron_hybrid", {})
-    key = (outer, dims)
+    key = (sizes, dims)
     if key not in cache:
         at = names.index("dp")
-        grid = mesh.mesh.reshape(*mesh.mesh.shape[:at], outer, inner, *mesh.mesh.shape[at + 1:])
+        grid = mesh.mesh.reshape(*mesh.mesh.shape[:at], *sizes, *mesh.mesh.shape[at + 1:])
         cache[key] = DeviceMesh(mesh.device_type, grid, mesh_dim_names=names[:at] + dims + names[at + 1:])
     return cache[key]
 

@@ -52,8 +52,15 @@ def test_expert_parallel_steps_match(layout):
     world = 1
     for v in dims.values():
         world *= v
+    check_ep_parity(run_distributed(ep_parity, world, dims, names, kw), dims, kw)
+
+
+def check_ep_parity(per_rank, dims, kw):
+    """``ep_parity``'s results at mesh ``dims`` and keywords ``kw`` against the unmodified model's
+    (also tests/test_hybrid_sharding.py's, where the shards are one replica group's)."""
     ep = kw["ep"]
-    for rank, res in enumerate(run_distributed(ep_parity, world, dims, names, kw)):
+    group = dims["dp"] // kw.get("dp_replicate", 1)      # the dp ranks a weight's shards are over
+    for rank, res in enumerate(per_rank):
         for name, r in res.items():
             for a, b in zip(r["losses"], r["losses_ref"]):
                 assert abs(a - b) <= 1e-5 * abs(b), (rank, name, r["losses"], r["losses_ref"])
@@ -69,7 +76,7 @@ def test_expert_parallel_steps_match(layout):
                 assert shape[0] == EXPERTS // ep and r["whole"][n][0] == EXPERTS, (n, shape)
             if kw.get("dp_shard") == "full":    # every dense weight a shard of dp; an expert one of dp / ep
                 for n, (held, local) in r["held"].items():
-                    over = dims["dp"] // ep if n in r["experts"] else dims["dp"]
+                    over = group // ep if n in r["experts"] else group
                     assert held == shard_length(local, over) if over > 1 else held == local, (n, held, local, over)
 
 
@@ -99,17 +106,15 @@ def test_a_model_without_experts_and_forms_not_built_are_refused():
         _plan(REFUSED["phimoe"][0](), _ids_batch(), dp=2, ep=2)
 
 
-def test_ep_layouts_that_mean_nothing_or_are_not_built_are_refused():
+def test_ep_layouts_that_mean_nothing_are_refused_and_the_others_compose():
     with pytest.raises(ShardingError, match=r"the 6 of them do not split into groups of 4"):
         Layout(dp=6, ep=4)
     Layout(dp=2, cp=2, ep=2)        # built: the test above at dp2 × cp2
-    refused = {"dp_replicate=2": dict(dp_shard="optimizer", dp_replicate=2)}
-    Layout(dp=2, ep=2, precision="fp8")     # built: test_ep_with_fp8_is_the_fp8_run_without_ep
-    for named, kw in refused.items():
-        for cp in (1, 2):       # with cp as without: refused naming the option, cp not among them
-            with pytest.raises(ShardingError, match=rf"ep=2, {re.escape(named)}\): not built together yet .*tested "
-                                                    r"with tp, sp, pp, cp, dp"):
-                Layout(dp=4, cp=cp, ep=2, **kw)
+    for cp in (1, 2):       # with cp as without: every other option composes
+        Layout(dp=4, cp=cp, ep=2, precision="fp8")      # test_ep_with_fp8_is_the_fp8_run_without_ep
+        Layout(dp=4, cp=cp, ep=2, dp_shard="optimizer", dp_replicate=2)     # tests/test_hybrid_sharding.py
+    with pytest.raises(ShardingError, match=r"ep=2, dp_replicate=4\): an ep group must lie inside one replica group"):
+        Layout(dp=4, ep=2, dp_shard="optimizer", dp_replicate=4)
     Layout(dp=2, ep=2, dp_shard="optimizer")        # the sharded optimizer composes (tests/test_sharded_dp.py)
     Layout(dp=4, cp=2, ep=2, dp_shard="full")       # and ZeRO-3 (the experts over edp: test above)
     with pytest.raises(ShardingError, match=r"ep=0\): a number of expert-parallel ranks"):

@@ -62,11 +62,13 @@ def rank_axes(layout, coords: Mapping[str, int], groups: Mapping[str, str]) -> D
                         groups.get("dp_cp", ""), tuple(range(size)))
     out["dp_replicate"] = Axis(replicas, dp // group_dp, groups.get("dp_replicate", ""), tuple(range(replicas)))
     # expert parallelism: ep consecutive dp ranks share their experts, and the dp / ep ranks × cp
-    # holding the same ones sum their gradients (dp-major, as ``mesh.mesh_axes`` flattens them)
+    # holding the same ones sum their gradients (dp-major, as ``mesh.mesh_axes`` flattens them);
+    # under dp_replicate those of one replica group, the others' being "dp_replicate" as above
     ep = getattr(layout, "ep", 1)
     out["ep"] = Axis(ep, coords.get("ep", dp % ep), groups.get("ep", ""), tuple(range(ep)))
-    edp = layout.dp // ep * layout.cp
-    out["edp"] = Axis(edp, dp // ep * layout.cp + coords.get("cp", 0), groups.get("edp", ""), tuple(range(edp)))
+    edp = group_dp // ep * layout.cp
+    out["edp"] = Axis(edp, dp % group_dp // ep * layout.cp + coords.get("cp", 0), groups.get("edp", ""),
+                      tuple(range(edp)))
     return out
 
 

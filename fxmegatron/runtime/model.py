@@ -90,16 +90,19 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
             self._grad_accum = Fp32GradAccumulator(list(self.parameters()), uses)
         # "full": the parameters are shards and autograd reduce-scatters their gradients (passes.dp_shard)
         experts = self._expert_params()
+        replicas = ax.get("dp_replicate")       # hybrid sharding: the same pieces' holders in other groups
+        replicas = replicas if replicas is not None and replicas.size > 1 else None
         if self.dp_shard == "full" and experts and ax["edp"].size == 1:
-            # dp = ep, no cp: the experts are held whole (no rank holds the same ones to shard them
-            # over, rank_passes.expert_shards), their gradients summed over their ep group's tokens
-            # already: only the / dp that unshard's reduce-scatter does for the rest
-            self._expert_sync = GradSync([p for p in self.parameters() if id(p) in experts], uses, ax["edp"].group,
-                                         1, divisor=self.dp_size, sum_dtype=grad_accum_dtype)
+            # dp = ep (a replica group's dp), no cp: the experts are held whole (no rank of the group
+            # holds the same ones to shard them over, rank_passes.expert_shards), their gradients
+            # summed over their ep group's tokens already: summed over the replica groups' holders
+            # of the same experts, and the / dp that unshard's reduce-scatter does for the rest
+            whole = replicas or ax["edp"]
+            self._expert_sync = GradSync([p for p in self.parameters() if id(p) in experts], uses, whole.group,
+                                         whole.size, divisor=self.dp_size, sum_dtype=grad_accum_dtype)
         if sync.size > 1 and self.dp_shard != "full":
             shared = pipe.stage.shared if pipe is not None else {}
             alone = {id(p) for n, p in self.named_parameters() if n in shared}
-            replicas = ax.get("dp_replicate")       # hybrid sharding: the same pieces' holders in other groups
             # expert parallelism: an expert weight's gradient holds the sum over its ep group's tokens
             # already; it is summed over the ranks holding the same experts (dp / ep of them, × cp: each
             # cp rank's over its part of the sequence), then / dp as the rest
@@ -107,15 +110,16 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
                                        sync.size, divisor=self.dp_size,
                                        shard=self.dp_shard != "none", rank=sync.rank, alone=alone,
                                        every_microbatch=self.dp_shard == "gradients", sum_dtype=grad_accum_dtype,
-                                       replicas=replicas.group if replicas is not None and replicas.size > 1 else None)
+                                       replicas=replicas.group if replicas else None)
             if experts:
                 # under a sharded optimizer the experts' state is sharded over the ranks holding
-                # the same experts (Megatron's expert-data-parallel group), a group of one at dp = ep
+                # the same experts (Megatron's expert-data-parallel group), a group of one at dp = ep;
+                # under hybrid sharding those of one replica group, the pieces summed over the groups
                 edp = ax["edp"]
                 self._expert_sync = GradSync([p for p in self.parameters() if id(p) in experts], uses, edp.group,
                                              edp.size, divisor=self.dp_size, shard=self.dp_shard != "none",
                                              rank=edp.rank, every_microbatch=self.dp_shard == "gradients",
-                                             sum_dtype=grad_accum_dtype)
+                                             sum_dtype=grad_accum_dtype, replicas=replicas.group if replicas else None)
         if dist.is_initialized():
             check_same_weights(self.named_parameters(), ax, lambda n: self.placement(n) == R,
                                pipe.stage.shared if pipe is not None else (),
