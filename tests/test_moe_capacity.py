@@ -120,7 +120,7 @@ def test_ep2_with_capacity_equals_ep1_with_capacity():
     _, batch = _model_and_batches("mixtral")
     piece = batch(0)["input_ids"].numel() // 2
     assert capacity(cf, piece, K, E) * E < piece * K
-    res = run_distributed(ep_parity, 2, {"dp": 2}, MODELS, {"ep": 2, "moe_capacity_factor": cf}, 3,
+    res = run_distributed(ep_parity, 2, {"dp": 2}, ("mixtral",), {"ep": 2, "moe_capacity_factor": cf}, 3,
                           {"moe_capacity_factor": cf})
     for rank, out in enumerate(res):
         for name, r in out.items():
