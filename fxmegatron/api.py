@@ -30,7 +30,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                 grad_accum_dtype: Optional[torch.dtype] = None, verify: bool = False, min_split: float = 0.5,
                 cp_attention: str = "ring", precision: str = "bf16", fp8_recipe: str = "tensorwise",
                 fp8_policy="all", dp_shard: str = "none", dp_replicate: int = 1, ep: int = 1,
-                _chunked: bool = False) -> ParallelModel:
+                moe_capacity_factor: Optional[float] = None, _chunked: bool = False) -> ParallelModel:
     """Trace ``model`` on ``example_batch`` and return this rank's parallel piece.
 
     ``mesh``: a torch DeviceMesh with dims named from "dp", "pp", "cp", "tp" (or None: one
@@ -101,6 +101,11 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     ranks hold E/ep whole experts of every mixture-of-experts block (found from the graph's ops,
     ``passes.expert_parallel``) and compute them for the tokens of all ``ep`` (the all-gather
     dispatcher); expert gradients are summed over the dp / ep ranks that hold the same experts.
+    ``moe_capacity_factor``: None (dropless: the model's own semantics) or cf > 0: on each rank's
+    own tokens of a block's forward, expert e keeps at most ceil(cf · T · k / E) of its (token,
+    slot) assignments, those of the largest routing weights (ties: the earlier token); a dropped
+    one's combine weight is 0 (Megatron's "probs" drop policy, without padding). The same at any
+    ep (docs/EXPERT_PARALLEL.md); not with tp, cp or verify yet.
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
     matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """
@@ -111,7 +116,8 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
                  tp_comm_transport=tp_comm_transport, state_dict=state_dict, seed=seed, verbose=verbose,
                  grad_accum_dtype=grad_accum_dtype, verify=verify, min_split=min_split, chunked=_chunked,
                  cp_attention=cp_attention, precision=precision, fp8_recipe=fp8_recipe, fp8_policy=fp8_policy,
-                 dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
+                 dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
+                 moe_capacity_factor=moe_capacity_factor)
     axes = mesh_axes(mesh, cfg.dp_replicate, cfg.ep)
     cfg = cfg.with_degrees(axes)
     cfg.make_schedule()

@@ -24,6 +24,7 @@ from fxmegatron.errors import PrecisionError, ShardingError
 from fxmegatron.lower.torch_compile import check_compile_options
 from fxmegatron.ops.fp8 import RECIPES, recipe_of
 from fxmegatron.ops.overlapped_linear import TRANSPORTS
+from fxmegatron.passes.expert_parallel.capacity import check_capacity_factor
 from fxmegatron.passes.fp8 import FP8Policy
 from fxmegatron.passes.recompute import RecomputePolicy
 from fxmegatron.runtime.grad_accumulation import check_grad_accum_dtype
@@ -40,7 +41,7 @@ DEGREES = ("dp", "pp", "cp", "tp")      # the mesh axes, outermost first
 # the trainer's [layout] keys that are not the field's name: tp_comm_overlap was "overlap" first
 TOML_ALIASES = {"tp_comm_overlap": ("overlap",)}
 # what a TOML key (which has no None) holds for "the default"
-TOML_EMPTY = {"schedule": "", "blocks_per_chunk": []}
+TOML_EMPTY = {"schedule": "", "blocks_per_chunk": [], "moe_capacity_factor": 0}
 # options without a command-line flag: chunked is compile's own (it always writes chunks)
 CLI_LEFT_OUT = ("chunked",)
 CLI_CHOICES = {"recompute": RECOMPUTE_MODES, "schedule": SCHEDULE_NAMES, "tp_comm_transport": TRANSPORTS,
@@ -92,6 +93,9 @@ class Layout:
     # expert parallelism, folded onto dp: each ep consecutive dp ranks hold E/ep whole experts of
     # every mixture-of-experts block and compute them for the tokens of all ep
     ep: int = _f("option", 1)
+    # an MoE capacity factor: each expert keeps at most ceil(cf * T * k / E) of the assignments of a
+    # rank's own tokens, the largest routing weights (None: dropless, the model's own semantics)
+    moe_capacity_factor: Optional[float] = _f("option", None)
 
     def __post_init__(self):
         for name in DEGREES:
@@ -156,6 +160,17 @@ class Layout:
         # weights over dp × cp: rank_passes.expert_shards), dp_replicate (the ep groups inside a
         # replica group, the pieces summed over the groups) and FP8 (the linears are the dense ones,
         # each on its rank's own tokens; the experts' grouped GEMMs stay bf16)
+        check_capacity_factor(self.moe_capacity_factor)
+        if self.moe_capacity_factor is not None:
+            # capacity counts the tokens of one forward of a block: a cp rank's would be its chunks of the
+            # sequence, a sequence-parallel tp rank's its shard (not tested yet); verify's eager model
+            # runs dropless
+            other = [f"{n}={getattr(self, n)!r}" for n, off in (("cp", 1), ("tp", 1), ("verify", False))
+                     if getattr(self, n) != off]
+            if other:
+                raise ShardingError(f"parallelize(moe_capacity_factor={self.moe_capacity_factor}, {', '.join(other)}): "
+                                    "not built together yet (the capacity is counted over a rank's tokens, tested "
+                                    "with dp, ep, pp and microbatches): leave one out")
         if self.cp_attention not in CP_ATTENTIONS:
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:
@@ -219,6 +234,8 @@ class Layout:
             elif f.name == "blocks_per_chunk":
                 parser.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                                     help="blocks of each pipeline chunk, comma-separated")
+            elif f.name == "moe_capacity_factor":
+                parser.add_argument(flag, type=float, default=None, help="MoE capacity factor (default: dropless)")
             elif f.name == "grad_accum_dtype":
                 parser.add_argument(flag, choices=("float32",), default=None,
                                     help="sum bf16/fp16 gradients over microbatches in this dtype")

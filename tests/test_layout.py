@@ -41,14 +41,15 @@ FLAGS_NOT = {"state_dict", "seed", "verbose", "verify", "min_split", "chunked"}
 # ``fxmegatron compile`` (cli.FOLDER_OPTIONS): its mesh is pp × tp, and a stage folder is the
 # generated source of plain ATen chunks: fused kernels, torch.compile, FP8, tp_comm_overlap's
 # merged linears, cp and the gradient sums' dtype have no written form
-COMPILE_NOT_FLAGS = FLAGS_NOT | {"dp", "cp", "cp_attention", "dp_shard", "dp_replicate", "ep", "fuse", "compile", "tp_comm_overlap",
+COMPILE_NOT_FLAGS = FLAGS_NOT | {"dp", "cp", "cp_attention", "dp_shard", "dp_replicate", "ep", "moe_capacity_factor",
+                                 "fuse", "compile", "tp_comm_overlap",
                                  "tp_comm_transport", "precision", "fp8_recipe", "fp8_policy", "grad_accum_dtype"}
 COMPILE_OTHER_FLAGS = {"factory", "out", "seed"}
 # verify simulates dp, pp, cp and tp ranks in one process on the CPU: the kernels (fuse, compile),
 # fp8 (which eager does not run) and tp_comm_overlap have no simulated form, nor has hybrid
 # sharding yet (dp_replicate: the replica groups' sum of the shards' gradients); the run fields
-# but seed are parallelize's
-VERIFY_NOT_SIMULATED = {"fuse", "compile", "tp_comm_overlap", "tp_comm_transport",
+# but seed are parallelize's; an MoE capacity factor drops what eager runs dropless
+VERIFY_NOT_SIMULATED = {"moe_capacity_factor", "fuse", "compile", "tp_comm_overlap", "tp_comm_transport",
                         "precision", "fp8_recipe", "fp8_policy", "grad_accum_dtype", "chunked", "state_dict",
                         "verbose", "verify", "min_split"}
 VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}
@@ -56,7 +57,9 @@ VERIFY_OTHER_KEYWORDS = {"batch", "loss_rtol", "grad_rtol", "layout"}
 # not change it; the run fields are parallelize's; dp_shard is a keyword of its own (below), and
 # dp_replicate is read from the layout handed in (the trainer's --dry-run), where it divides the shards
 # ep: the trainer's --dry-run refuses ep > 1 (plan_run does not count the experts' shards yet)
-PLAN_LEFT_OUT = {"fuse", "dp_shard", "dp_replicate", "compile", "tp_comm_overlap", "tp_comm_transport", "precision", "fp8_recipe",
+# moe_capacity_factor: a mask of the routing weights, no tensor a rank holds changes size
+PLAN_LEFT_OUT = {"moe_capacity_factor",
+                 "fuse", "dp_shard", "dp_replicate", "compile", "tp_comm_overlap", "tp_comm_transport", "precision", "fp8_recipe",
                  "fp8_policy", "chunked", "state_dict", "seed", "verbose", "verify", "min_split"}
 # dp_shard: a keyword of plan_run that scales the bytes per rank, not a field the plan builds its graph with
 PLAN_OTHER_KEYWORDS = {"param_dtype", "optimizer", "device", "picture", "layout", "dp_shard"}

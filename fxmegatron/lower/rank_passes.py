@@ -25,6 +25,7 @@ from fxmegatron.passes.context_parallel import apply_context_parallel
 from fxmegatron.passes.dp_shard import shard_parameters
 from fxmegatron.passes.dropout_rng import apply_counter_rng
 from fxmegatron.passes.expert_parallel import check_divisible, find_experts
+from fxmegatron.passes.expert_parallel.capacity import apply_capacity
 from fxmegatron.passes.expert_parallel.rewrite import apply_expert_parallel, check_supported, expert_params
 from fxmegatron.passes.expert_parallel.trail import ancestors
 from fxmegatron.passes.fp8 import apply_fp8
@@ -198,6 +199,9 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     tp = axes["tp"]
     # a buffer written slice by slice stated as the cat it is, before any pass places values
     passes = [Pass("slice_writes_to_cat", slice_writes_to_cat)]
+    if cfg.moe_capacity_factor is not None:
+        # on the captured graph, before ep finds its blocks: the ep rewrite then gathers the masked weights
+        passes.append(Pass("moe_capacity", lambda gm: apply_capacity(gm, cfg.moe_capacity_factor)))
     ep = axes.get("ep", Axis())
     passes += ep_passes(ep)
     passes += cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)

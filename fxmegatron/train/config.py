@@ -169,6 +169,9 @@ KEYS: List[Key] = [
     _k("layout", "ep", INT, 1, "expert parallelism, folded onto the data-parallel ranks: each ep consecutive dp "
        "ranks hold E/ep whole experts of every mixture-of-experts block and compute them for the tokens of all "
        "ep (docs/EXPERT_PARALLEL.md); dp must be a multiple of ep", minimum=1),
+    _k("layout", "moe_capacity_factor", FLOAT, 0, "an MoE capacity factor cf: each expert keeps at most "
+       "ceil(cf * T * k / E) of the (token, slot) assignments of a rank's tokens, those of the largest routing "
+       "weights, the others' combine weight 0 (docs/EXPERT_PARALLEL.md); 0: dropless", minimum=0),
     # ---- optim ----
     _k("optim", "lr", FLOAT, 3e-4, "peak learning rate", minimum=0),
     _k("optim", "min_lr", FLOAT, 3e-5, "learning rate at the end of the decay", minimum=0),

@@ -9,19 +9,59 @@ from tests import models
 from tests.workers.sharded_dp import _mesh, _model_and_batches, step_batch
 
 
-def ep_parity(rank, world, dims, names, kw, steps=3):
+class _Eager:
+    """The unmodified model, as ep_parity's reference: a step's loss, its gradients, a forward."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def step(self, b):
+        loss = models.call(self.model, b)
+        loss.backward()
+        return loss.item()
+
+    def grads(self):
+        return {n: w.grad for n, w in self.model.named_parameters() if w.grad is not None}
+
+    def zero_grad(self):
+        self.model.zero_grad()
+
+    def forward(self, b):
+        with torch.no_grad():
+            out = self.model(**b) if isinstance(b, dict) else None
+        return out.loss.item(), out.logits
+
+
+class _Parallel(_Eager):
+    """A parallelized model as the reference (another layout of the same semantics)."""
+
+    def step(self, b):
+        return self.model.train_step(b).item()
+
+    def grads(self):
+        return self.model.full_grads()
+
+    def forward(self, b):
+        return self.model.eval_step(b).item(), self.model.logits(b)
+
+
+def ep_parity(rank, world, dims, names, kw, steps=3, ref_kw=None):
     """``steps`` SGD steps on different batches with masked labels at mesh ``dims`` and
     ``parallelize``'s keywords ``kw`` (``ep`` among them), next to the same on the unmodified
-    model: per model and step the two losses and, per parameter, the largest
-    difference of the whole gradients over the reference's largest magnitude; and the local
-    shapes of the expert weights."""
+    model (``ref_kw``: on the model parallelized with these keywords instead): per model and step
+    the two losses and, per parameter, the largest difference of the whole gradients over the
+    reference's largest magnitude; and the local shapes of the expert weights."""
     import fxmegatron
 
     mesh = _mesh(dims)
     out = {}
     for name in names:
         model, batch = _model_and_batches(name)
-        ref = copy.deepcopy(model)
+        ref = _Eager(copy.deepcopy(model)) if ref_kw is None else \
+            _Parallel(fxmegatron.parallelize(copy.deepcopy(model), mesh, batch(0), **ref_kw))
         pm = fxmegatron.parallelize(copy.deepcopy(model), mesh, batch(0), **kw)
         # SGD: AdamW's step is about lr whatever the gradient's size, so the rounding of a near-zero
         # gradient moves a weight by lr (dp alone shows 1e-4 after one step of it); SGD's moves it by
@@ -31,30 +71,27 @@ def ep_parity(rank, world, dims, names, kw, steps=3):
         losses, losses_ref, errs = [], [], []
         for step in range(steps):
             b = step_batch(batch, step)
-            loss_ref = models.call(ref, b)
-            loss_ref.backward()
-            losses_ref.append(loss_ref.item())
+            losses_ref.append(ref.step(b))
             losses.append(pm.train_step(b).item())
-            grads = pm.full_grads()
+            grads, grads_ref = pm.full_grads(), ref.grads()
             err = {}
-            for n, w in ref.named_parameters():
-                if n in grads and w.grad is not None:
-                    err[n] = ((grads[n] - w.grad).abs().max() / w.grad.abs().max().clamp_min(1e-30)).item()
+            for n, g in grads_ref.items():
+                if n in grads:
+                    err[n] = ((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
             errs.append(err)
             opt_ref.step()
-            opt_ref.zero_grad()
+            ref.zero_grad()
             opt.step()
             pm.zero_grad()
         # forward only, after the steps (dropout-free models): eval_step's loss, and the logits where
         # there is no pipeline (each rank runs the same pieces of the batch: collective over ep) and
         # no cp (a cp rank's logits are its chunks of the sequence)
         b = batch(30)
-        with torch.no_grad():
-            out_ref = ref(**b) if isinstance(b, dict) else None
-        evals = (pm.eval_step(b).item(), out_ref.loss.item())
+        loss_ref, logits_ref = ref.forward(b)
+        evals = (pm.eval_step(b).item(), loss_ref)
         logits_err = None
         if pm.program.pipeline is None and "cp" not in dims:
-            logits_err = ((pm.logits(b) - out_ref.logits).abs().max() / out_ref.logits.abs().max()).item()
+            logits_err = ((pm.logits(b) - logits_ref).abs().max() / logits_ref.abs().max()).item()
         out[name] = {"losses": losses, "losses_ref": losses_ref, "errs": errs, "eval": evals, "logits_err": logits_err,
                      # an expert's local shape (under dp_shard="full" the piece its shard is cut from), and
                      # how many elements each parameter holds here
