@@ -105,7 +105,7 @@ def parallelize(model: nn.Module, mesh, example_batch, *, sequence_parallel: boo
     own tokens of a block's forward, expert e keeps at most ceil(cf · T · k / E) of its (token,
     slot) assignments, those of the largest routing weights (ties: the earlier token); a dropped
     one's combine weight is 0 (Megatron's "probs" drop policy, without padding). The same at any
-    ep (docs/EXPERT_PARALLEL.md); not with tp, cp or verify yet.
+    ep (docs/EXPERT_PARALLEL.md); not with tp, cp, pp or verify yet.
     ``min_split``: at tp > 1, warn (naming the modules) when less than this share of the
     matmul FLOPs is split; ``pm.coverage`` and the dump's plan.txt always say how much is.
     """

@@ -163,14 +163,14 @@ class Layout:
         check_capacity_factor(self.moe_capacity_factor)
         if self.moe_capacity_factor is not None:
             # capacity counts the tokens of one forward of a block: a cp rank's would be its chunks of the
-            # sequence, a sequence-parallel tp rank's its shard (not tested yet); verify's eager model
-            # runs dropless
-            other = [f"{n}={getattr(self, n)!r}" for n, off in (("cp", 1), ("tp", 1), ("verify", False))
+            # sequence, a sequence-parallel tp rank's its shard (not tested yet), pipeline chunks not
+            # tested; verify's eager model runs dropless
+            other = [f"{n}={getattr(self, n)!r}" for n, off in (("cp", 1), ("tp", 1), ("pp", 1), ("verify", False))
                      if getattr(self, n) != off]
             if other:
                 raise ShardingError(f"parallelize(moe_capacity_factor={self.moe_capacity_factor}, {', '.join(other)}): "
                                     "not built together yet (the capacity is counted over a rank's tokens, tested "
-                                    "with dp, ep, pp and microbatches): leave one out")
+                                    "with dp and ep; with microbatches over each microbatch's): leave one out")
         if self.cp_attention not in CP_ATTENTIONS:
             raise ShardingError(f"parallelize(cp_attention={self.cp_attention!r}): expected 'ring' or 'allgather'")
         if self.blocks_per_chunk is not None:

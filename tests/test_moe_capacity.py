@@ -143,6 +143,6 @@ def test_models_and_layouts_capacity_is_not_built_for_are_refused():
     with pytest.raises(ExpertParallelError, match=r"moe_capacity_factor=\.\.\.\) of model\.layers\.\d+\.feed_forward: "
                                                   r"its experts are the dense dispatch"):
         build_rank(capture(llama4, b(0)), Layout(moe_capacity_factor=1.0), {"dp": 0}, None, {})
-    for named, kw in {"cp=2": dict(cp=2), "tp=2": dict(tp=2), "verify=True": dict(verify=True)}.items():
+    for named, kw in {"cp=2": dict(cp=2), "tp=2": dict(tp=2), "pp=2": dict(pp=2), "verify=True": dict(verify=True)}.items():
         with pytest.raises(ShardingError, match=rf"moe_capacity_factor=1.25, {named}\): not built together yet"):
             Layout(moe_capacity_factor=1.25, **kw)
