@@ -7,7 +7,7 @@ On gloo, fp32, against the unmodified model with its router loss on (coefficient
 steps on different batches with masked labels give its loss (1e-5) and every whole gradient
 (1e-4 of the largest), then eval_step's loss and the logits: HF Qwen3-MoE and Mixtral at dp2,
 Qwen2-MoE (shared expert), gpt-oss and OLMoE (with an attention mask: the masked form of the
-loss, ratios of sums) at dp2 × ep2, Mixtral with a mask at dp4 × ep2, Qwen3-MoE at dp2 × tp2 ×
+loss, ratios of sums) at dp2 × ep2, Mixtral with a mask at dp4 × ep2, OLMoE at dp4 × ep4 (one expert a rank), Qwen3-MoE at dp2 × tp2 ×
 ep2 and at dp2 × ep2 with dp_shard="full" and compile=True (inductor on the CPU). ``verify`` agrees at dp2 (an empty microbatch in one replica) and names a planted wrong
 statistic. Where the batch is split in other ways (microbatches, pp) the term is refused by name."""
 import math
@@ -28,6 +28,7 @@ LAYOUTS = {
     "dp2": ({"dp": 2}, ("qwen3_moe+aux", "mixtral+aux"), {}),
     "dp2-ep2": ({"dp": 2}, ("qwen2_moe+aux", "gpt_oss+aux", "olmoe+auxmask"), {"ep": 2}),
     "dp4-ep2": ({"dp": 4}, ("mixtral+auxmask",), {"ep": 2}),
+    "dp4-ep4": ({"dp": 4}, ("olmoe+aux",), {"ep": 4}),
     "dp2-tp2-ep2": ({"dp": 2, "tp": 2}, ("qwen3_moe+aux",), {"ep": 2}),
     "dp2-ep2-full-compile": ({"dp": 2}, ("qwen3_moe+aux",), {"ep": 2, "dp_shard": "full", "compile": True}),
 }
