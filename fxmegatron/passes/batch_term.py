@@ -11,7 +11,9 @@ over dp, then the term is the same number on every replica.
 
 Recognised (``recognise``), every precondition checked, from the ops (no model's names):
 
-* N is the number of tokens of the piece: the elements of the cross-entropy's target;
+* N is the number of tokens of the piece: the elements of the cross-entropy's target; a dim of
+  size N is the token dim (as ``expert_parallel.region`` reads sizes), and a tensor with two
+  dims of that size is not read as one;
 * a *statistic* is a sum over the piece's N tokens: a sum over dim 0 of an ``[N, ...]`` tensor, a
   sum of all elements of an ``[N]`` tensor, a histogram (``histc``) or a ``scatter_add`` into
   fresh zeros over ``N·k`` elements (k per token: the top-k picks); sums of statistics (the
@@ -97,7 +99,7 @@ def _token_sum(n: fx.Node, N: int) -> Optional[Stat]:
     if not isinstance(x, fx.Node):
         return None
     if p is aten.sum and n.target is aten.sum.dim_IntList and _dims(n, 1, "dim") in ([0], [-len(_shape(x))]) \
-            and _shape(x)[:1] == (N,) and len(_shape(x)) == 2:
+            and _shape(x)[:1] == (N,) and len(_shape(x)) == 2 and _shape(x)[1] != N:    # which dim is unambiguous
         return Stat(N, 1)
     if n.target is aten.sum.default and _shape(x) == (N,):
         return Stat(N, 1)
@@ -114,7 +116,7 @@ def _token_mean(n: fx.Node, N: int) -> bool:
     """A mean over the tokens: over dim 0 of an ``[N, ...]`` tensor, or of all of an ``[N]`` one."""
     x = n.args[0] if n.args else None
     if n.target is aten.mean.dim and _dims(n, 1, "dim") in ([0], [-len(_shape(x))]):
-        return _shape(x)[:1] == (N,)
+        return _shape(x)[:1] == (N,) and N not in _shape(x)[1:]
     return n.target is aten.mean.default and _shape(x) == (N,)
 
 
