@@ -50,10 +50,8 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
                             f"this mesh has {dp.size} (a mesh with a 'dp' dim of a multiple of {cfg.ep})")
     sched = cfg.make_schedule()
     split = cfg.microbatches > 1 or dp.size > 1
-    check_split_loss(cap.gm, cfg.microbatches, dp.size,     # before the passes rewrite the loss
-                     batch_term.split_term(batch_term.applies(cfg.microbatches, dp.size, cfg.pipelined(),
-                                                              axes.get("cp", Axis()).size,
-                                                              axes.get("dp_replicate", Axis()).size)))
+    # before the passes rewrite the loss
+    check_split_loss(cap.gm, cfg.microbatches, dp.size, batch_term.split_term(batch_term.applies(cfg)))
     check_ids = id_checker(cap.gm, cap.input_names, device)  # the whole vocabulary: before tp splits it
     timings = dict(timings or {})
     coords = {n: axes[n].rank for n in ("dp", "pp", "cp", "tp", "dp_cp", "ep") if n in axes}
@@ -79,8 +77,9 @@ def compile_captured(cap: Captured, axes: Mapping[str, Axis], device, cfg: Layou
     timings["materialize_s"] += time.perf_counter() - t0
     counter = token_counter(local, device)
     # unsplit, no count to make each step; a loss weighted in the graph (passes.batch_term) is weighed by one
-    count = counter if split and not local.meta.get(batch_term.WEIGHTED) else None
-    if split and count is None and not local.meta.get(batch_term.WEIGHTED):
+    weighted = bool(local.meta.get(batch_term.WEIGHTED))
+    count = counter if split and not weighted else None
+    if split and count is None and not weighted:
         raise LossError(f"parallelize({split_by(cfg.microbatches, dp.size)}) weights each piece of the batch by the "
                         "labels its cross-entropy counts, but those counts cannot be computed from the batch alone "
                         "(the graph holds several cross-entropies, or the target reads weights, buffers or "

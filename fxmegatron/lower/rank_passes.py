@@ -217,8 +217,7 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
         *ep_rewrite(ep),
         Pass("check_local_shapes", check_local_shapes, ensures={"local_shapes"}),
     ]
-    if batch_term.applies(cfg.microbatches, axes["dp"].size, cfg.pipelined(), axes.get("cp", Axis()).size,
-                          axes.get("dp_replicate", Axis()).size):
+    if batch_term.applies(cfg):
         # a router's load-balancing loss from the whole batch's statistics, all-reduced over dp
         passes.append(Pass("batch_term", lambda gm: batch_term.over_dp(gm, axes["dp"].size, DP_AXIS),
                            requires={"local_shapes"}))

@@ -195,15 +195,16 @@ def recognise(gm: fx.GraphModule) -> Tuple[Optional[Plan], str]:
     return plan, ""     # no statistic: a term of the weights alone, the same on every replica
 
 
-def applies(microbatches: int, dp: int, pipelined: bool, cp: int, dp_replicate: int) -> bool:
-    """Whether a layout is one this pass makes exact: the batch split over dp only (one microbatch,
-    no pipeline, no cp), and dp's group is every replica (no hybrid sharding's replica groups)."""
-    return dp > 1 and microbatches == 1 and not pipelined and cp == 1 and dp_replicate == 1
+def applies(lay) -> bool:
+    """Whether Layout ``lay`` (its degrees set) is one this pass makes exact: the batch split over dp
+    only (one microbatch, no pipeline, no cp), and dp's group is every replica (no hybrid sharding's
+    replica groups)."""
+    return lay.dp > 1 and lay.microbatches == 1 and not lay.pipelined() and lay.cp == 1 and lay.dp_replicate == 1
 
 
 def verified_together(gm: fx.GraphModule, lay) -> bool:
     """Whether ``verify`` of Layout ``lay`` runs this pass (its replicas must then run at once)."""
-    return applies(lay.microbatches, lay.dp, lay.pipelined(), lay.cp, lay.dp_replicate) and recognise(gm)[0] is not None
+    return applies(lay) and recognise(gm)[0] is not None
 
 
 def split_term(applied: bool):
