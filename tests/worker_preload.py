@@ -2,9 +2,23 @@
 
 Every module here is one that the multi-process tests import anyway (by the test's worker
 function, by torch.export, aot_autograd's partitioner, checkpointing, HF's lazy model classes);
-importing is all it does: no model is built and no thread is started before the fork."""
+importing is all it does: no model is built and no thread is started before the fork.
+
+The forkserver starts with Python's default ``sys.path`` (3.11's ``forkserver.main`` imports the
+preload before it applies the parent's path), so this module puts the repository's folders on
+it first, as conftest.py does for the tests. Without that, ``tests.models``' ``import gpt`` failed
+here, the failure left the forkserver as an ImportError that ``forkserver.main`` ignores, and
+every worker imported transformers (and built its lazy import structure) again: 4-5 s of one
+core a worker. tests/test_isolation.py checks that a worker starts with all of it imported."""
 import importlib
+import os
 import pkgutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples"), ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 _MODULES = [
     "torch", "torch._dynamo", "torch._inductor", "torch._inductor.codecache", "torch.export",
@@ -22,12 +36,24 @@ def _walk(package):
             yield info.name
 
 
+FAILED = []     # (module, error) of what could not be imported here
+
+
+def _names():
+    yield from _MODULES
+    for package in ("fxmegatron", "tests.workers"):
+        try:
+            yield from _walk(package)
+        except Exception as exc:  # noqa: BLE001  as below: the test that imports it fails, not this
+            FAILED.append((package, repr(exc)))
+
+
 def preload():
-    for name in [*_MODULES, *_walk("fxmegatron"), *_walk("tests.workers")]:
+    for name in _names():
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001  a module that cannot load here loads (and fails) in the test
-            pass
+        except Exception as exc:  # noqa: BLE001  a module that cannot load here loads (and fails) in the test
+            FAILED.append((name, repr(exc)))
 
 
 preload()

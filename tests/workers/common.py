@@ -62,3 +62,11 @@ def train_side_by_side(pm, ref, name, steps, batch_size):
     """``side_by_side`` of ``pm.train_step`` on the test models' batches."""
     return side_by_side(pm, ref, lambda i: models.batch(name, seed=i, batch_size=batch_size), steps,
                         step=lambda pm, b: pm.train_step(b), local_only=True)
+
+
+def preload_state(rank, world):
+    """What a gloo worker finds imported when it starts (tests/distributed.py's forkserver)."""
+    import sys
+    was = sys.modules.get("tests.worker_preload")
+    return {"preloaded": was is not None, "failed": list(was.FAILED) if was else None,
+            "transformers": "transformers" in sys.modules, "gpt": "gpt" in sys.modules}
