@@ -6,16 +6,29 @@ for p in (ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")
     if p not in sys.path:
         sys.path.insert(0, p)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Triton reads TRITON_INTERPRET when it is first imported (torch.export can import it), so the
-# generated kernels of the fuse pass run on CPU only if it is set before anything else: here.
-# Without CUDA, fused groups then run their kernels in the interpreter in every test; with
-# CUDA the GPU tests run the compiled kernels (the interpreter would run them on host copies).
 import torch  # noqa: E402  (after OMP_NUM_THREADS; torch does not import triton)
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
+
+# Without CUDA, Triton's kernels run on CPU tensors in its interpreter, and only where a test asks
+# for it (the ``triton_interpreter`` fixture: the kernel tests, the fused groups, the fused loss).
+# A kernel is the interpreter's if TRITON_INTERPRET=1 when ``triton.jit`` defines it, so fxmegatron's
+# own kernels are defined here under it; whether one runs is read at each call
+# (``codegen.where_kernels_run``), so the variable is then taken away again: every other test runs
+# the torch form of each kernel, as a CPU user does. (In the interpreter FusedAdamW's step took 5 s
+# for 200k parameters, and the suite's parity tests spent most of their time there.) The gloo
+# workers' forkserver defines them alike (tests/distributed.py); with CUDA the kernels run compiled.
+INTERPRETER = not torch.cuda.is_available()
+if INTERPRETER:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import tests.worker_preload  # noqa: E402,F401  fxmegatron's modules, its kernels defined under it
+    del os.environ["TRITON_INTERPRET"]
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """The test runs Triton's kernels in the interpreter on CPU tensors (its gloo workers too)."""
+    if INTERPRETER:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

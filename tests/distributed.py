@@ -6,6 +6,7 @@ them again (about 4 s of one core each, for hundreds of multi-process tests on a
 The forkserver is a clean process (it never ran a test), and each worker takes the parent's
 environment as it is at the call, as a spawned one would. NCCL workers are spawned."""
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import sys
@@ -54,6 +55,18 @@ def _start_method(backend):
     if backend != "gloo":
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    if not torch.cuda.is_available():
+        # the preload defines fxmegatron's Triton kernels: as the interpreter's, so that a test with
+        # the triton_interpreter fixture runs them in its workers (conftest.py); the others don't
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
     return "forkserver"
 
 

@@ -68,6 +68,7 @@ def test_cp2_with_pp2_and_dp2():
     _check(run_distributed(cp_parity, 4, {"dp": 2, "cp": 2}, ["llama"], "allgather", 3, 4), ["llama"])
 
 
+@pytest.mark.usefixtures("triton_interpreter")     # fuse: the generated kernels in the interpreter
 @pytest.mark.parametrize("kwargs", [{"compile": True, "recompute": "selective"},
                                     {"fuse": True, "recompute": "full"}], ids=["compile", "fuse"])
 def test_cp2_composes_with_recompute_fuse_and_compile(kwargs):

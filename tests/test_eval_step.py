@@ -19,6 +19,9 @@ from tests import models
 from tests.distributed import run_distributed
 from tests.workers.eval_step import LiveBytes, SavedBytes, eval_check, eval_layouts, masked_batch
 
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 NAMES = ("gpt", "gpt2")     # the bundled GPT with a tuple batch, HF GPT-2 with a dict batch
 
 

@@ -10,7 +10,6 @@ GPU tests compare ``torch._scaled_mm`` with the emulation (device machines only)
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import os
 
 import pytest
 import torch
@@ -321,7 +320,8 @@ def _triton_cast_cases(device):
                 yield both[2], both[3], want_t, want_st
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel in Triton's interpreter")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernel in Triton's interpreter")
+@pytest.mark.usefixtures("triton_interpreter")
 def test_the_triton_cast_computes_the_hosts_scales():
     """``fxmegatron.kernels.fp8_cast`` in the interpreter: the scales (max / amax in float64, a
     power of two from the exponent bits) equal the host's ``_inverse_scale`` exactly, for

@@ -2,8 +2,13 @@
 TRITON_INTERPRET=1 from conftest, so fused groups run their generated kernels in the
 interpreter): tensor, sequence and pipeline parallel parity with fuse=True, and dropout
 fused into kernels drawing the masks of the unfused one-process run."""
+import pytest
+
 from tests.distributed import run_distributed
 from tests.workers import dropout_runs, pipeline_parity, tp_parity
+
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 MODELS = ("gpt", "gpt2", "llama")
 

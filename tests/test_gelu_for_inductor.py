@@ -14,6 +14,9 @@ from fxmegatron.passes.gelu_for_inductor import gelu_tanh_through_sigmoid
 
 from . import models
 
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 aten = torch.ops.aten
 
 

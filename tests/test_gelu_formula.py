@@ -8,6 +8,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxmegatron.passes.gelu_formula import gelu_formula_to_op
 
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 aten = torch.ops.aten
 C = math.sqrt(2.0 / math.pi)
 

@@ -9,6 +9,9 @@ from fxmegatron.kernels import cublaslt
 from fxmegatron.kernels.gelu_backward import gelu_tanh_backward_bias
 from fxmegatron.ops.gemm_epilogue import CUBIC, TWO_SQRT_2_OVER_PI, gelu_tanh_backward, linear_gelu
 
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLASLt)")
 
 

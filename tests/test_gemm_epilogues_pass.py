@@ -12,6 +12,9 @@ import fxmegatron
 from fxmegatron.ops.gemm_epilogue import linear_gelu
 from fxmegatron.passes.gemm_epilogues import apply_gemm_epilogues
 
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 aten = torch.ops.aten
 
 

@@ -9,13 +9,12 @@ import torch
 
 import fxmegatron
 from fxmegatron.codegen.fused_chain import FusedChain
-from fxmegatron.codegen.where_kernels_run import kernels_run
 
 from . import models
 
-# the generated kernels run on the tests' CPU tensors (under TRITON_INTERPRET=1, conftest's
-# choice on a machine without CUDA); elsewhere the fused groups run, and compile, as ATen ops
-_KERNELS_RUN = kernels_run(torch.empty(0))
+# the generated kernels run on the tests' CPU tensors in Triton's interpreter (conftest.py's
+# triton_interpreter), compiled on a GPU
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def test_compiled_graph_equals_the_uncompiled_one_and_compiles_once():
@@ -77,7 +76,7 @@ def test_fuse_and_compile_together_equal_the_plain_graph(name, recompute, monkey
     for step in ("forward", "backward"):     # the generated kernels run, called from the compiled graph
         monkeypatch.setattr(FusedChain, step, _count(getattr(FusedChain, step), ran))
     got = _train(name, model, recompute=recompute, fuse=True, compile=True)
-    assert {"forward", "backward"} <= set(ran) or not _KERNELS_RUN
+    assert {"forward", "backward"} <= set(ran)
     for (l0, g0), (l1, g1) in zip(ref, got):
         assert l1 == pytest.approx(l0, rel=1e-5)
         assert g1.keys() == g0.keys()
@@ -88,7 +87,6 @@ def test_fuse_and_compile_together_equal_the_plain_graph(name, recompute, monkey
     assert all("rng_key" in why for why in counters["graph_break"]), dict(counters["graph_break"])
 
 
-@pytest.mark.skipif(not _KERNELS_RUN, reason="CPU tensors run fused groups' ATen ops without TRITON_INTERPRET=1")
 @pytest.mark.parametrize("name,recompute", [("gpt", "none"), ("llama", "full")])
 def test_each_fused_group_is_one_call_in_the_compiled_graphs(name, recompute):
     """Dynamo's graph holds one ``fxmegatron::fused_forward`` per fused group (recomputed regions'

@@ -22,6 +22,9 @@ from tests import models
 from tests.distributed import run_distributed
 from tests.workers.logits import ids_only, logits_check, logits_layouts, reference_logits
 
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 
 def close(a, b):
     return a.shape == b.shape and (a - b).abs().max().item() <= 1e-5 * max(b.abs().max().item(), 1.0)

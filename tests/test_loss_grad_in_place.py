@@ -12,6 +12,9 @@ from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
 from tests.families import FAMILIES, make_batch
 from tests.helpers import train_once
 
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 aten = torch.ops.aten
 
 

@@ -7,6 +7,9 @@ import pytest
 from tests.distributed import run_distributed
 from tests.workers import tp_parity
 
+# Triton's kernels run in the interpreter on CPU tensors here (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 MODELS = ("gpt", "gpt2", "llama")
 
 
