@@ -13,8 +13,10 @@ from fxmegatron.codegen.fused_chain import FusedChain
 from . import models
 
 # the generated kernels run on the tests' CPU tensors in Triton's interpreter (conftest.py's
-# triton_interpreter), compiled on a GPU
+# triton_interpreter, offered on a machine without CUDA); elsewhere the fused groups run, and
+# compile, as ATen ops
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
+_KERNELS_RUN = not torch.cuda.is_available()
 
 
 def test_compiled_graph_equals_the_uncompiled_one_and_compiles_once():
@@ -76,7 +78,7 @@ def test_fuse_and_compile_together_equal_the_plain_graph(name, recompute, monkey
     for step in ("forward", "backward"):     # the generated kernels run, called from the compiled graph
         monkeypatch.setattr(FusedChain, step, _count(getattr(FusedChain, step), ran))
     got = _train(name, model, recompute=recompute, fuse=True, compile=True)
-    assert {"forward", "backward"} <= set(ran)
+    assert {"forward", "backward"} <= set(ran) or not _KERNELS_RUN
     for (l0, g0), (l1, g1) in zip(ref, got):
         assert l1 == pytest.approx(l0, rel=1e-5)
         assert g1.keys() == g0.keys()
@@ -87,6 +89,7 @@ def test_fuse_and_compile_together_equal_the_plain_graph(name, recompute, monkey
     assert all("rng_key" in why for why in counters["graph_break"]), dict(counters["graph_break"])
 
 
+@pytest.mark.skipif(not _KERNELS_RUN, reason="CPU tensors run fused groups' ATen ops without the interpreter")
 @pytest.mark.parametrize("name,recompute", [("gpt", "none"), ("llama", "full")])
 def test_each_fused_group_is_one_call_in_the_compiled_graphs(name, recompute):
     """Dynamo's graph holds one ``fxmegatron::fused_forward`` per fused group (recomputed regions'
@@ -132,8 +135,9 @@ def test_each_fused_group_is_one_call_in_the_compiled_graphs(name, recompute):
     assert all(n.target is not torch.ops.aten.rsqrt.default for g in graphs["forward"] for n in g.graph.nodes)
 
 
+@pytest.mark.skipif(not _KERNELS_RUN, reason="CPU tensors run the loss's torch form without the interpreter")
 def test_the_fused_cross_entropy_stays_one_op_in_the_compiled_graph():
-    # under TRITON_INTERPRET=1 (conftest) as on a GPU: dynamo keeps fxmegatron::vocab_ce as a call
+    # in the interpreter (conftest) as on a GPU: dynamo keeps fxmegatron::vocab_ce as a call
     # instead of tracing the unfused fp32 form
     pm = fxmegatron.parallelize(models.build("gpt", n_layer=1), None, models.batch("gpt"))
     graphs = []
