@@ -1,10 +1,7 @@
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import tests  # noqa: F401  the repository's folders on sys.path (tests/__init__.py)
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402  (after OMP_NUM_THREADS; torch does not import triton)
 import pytest  # noqa: E402

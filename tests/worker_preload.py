@@ -5,20 +5,12 @@ function, by torch.export, aot_autograd's partitioner, checkpointing, HF's lazy 
 importing is all it does: no model is built and no thread is started before the fork.
 
 The forkserver starts with Python's default ``sys.path`` (3.11's ``forkserver.main`` imports the
-preload before it applies the parent's path), so this module puts the repository's folders on
-it first, as conftest.py does for the tests. Without that, ``tests.models``' ``import gpt`` failed
-here, the failure left the forkserver as an ImportError that ``forkserver.main`` ignores, and
+preload before it applies the parent's path): ``tests/__init__.py`` puts the repository's folders
+on it. Without that, ``tests.models``' ``import gpt`` failed here, the failure left the forkserver as an ImportError that ``forkserver.main`` ignores, and
 every worker imported transformers (and built its lazy import structure) again: 4-5 s of one
 core a worker. tests/test_isolation.py checks that a worker starts with all of it imported."""
 import importlib
-import os
 import pkgutil
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples"), ROOT):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 _MODULES = [
     "torch", "torch._dynamo", "torch._inductor", "torch._inductor.codecache", "torch.export",
