@@ -9,6 +9,13 @@ computes every output, and the backward concatenates the outputs' gradients for 
 and one wgrad matmul. Each row times forward + backward (median of triton.testing.do_bench)
 under torch.compile (or eager with --eager), at the shapes of the end-to-end benchmark's
 models; TFLOP/s counts 6·M·K·ΣN.
+
+Read with care: at the small shapes (the q, k, v of the 1B models) a row is one compiled
+function called alone, and its host work (guards, autograd, the leaves' gradients) takes longer
+than its kernels: rows near 100-250 TFLOP/s time the host, not the GEMMs (one H200, torch 2.11:
+the Qwen2 q/k/v rows ran 1.5 ms for about 0.3 ms of kernels). Session 17 read "not worth having"
+off such rows; inside a whole compiled training step the merge pays where a member is narrow
+(``passes/merge_linears.py``, docs/COMPILE.md).
 """
 import argparse
 

@@ -43,6 +43,7 @@ from fxmegatron.passes.recompute import RecomputePolicy, apply_recompute
 from fxmegatron.passes.runner import Pass, check_shapes
 from fxmegatron.passes.slice_writes import slice_writes_to_cat
 from fxmegatron.passes.tables_once import compute_tables_once
+from fxmegatron.passes.merge_linears import merge_linears
 from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
@@ -247,6 +248,8 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
                                     functional=bool(cfg.compile), replicate_group=replicas, apart=apart)
 
         passes.append(Pass("dp_shard", shard, requires={"local_shapes"}))
+    if cfg.compile:     # before recompute, which then finds one module's linears together
+        passes.append(Pass("merge_linears", merge_linears, requires={"local_shapes"}))
     passes.append(Pass("recompute", lambda gm: apply_recompute(gm, cfg.recompute), requires={"local_shapes"}))
     compiled_on_cuda = cfg.compile and device is not None and torch.device(device).type == "cuda"
     if cfg.compile:     # a written-out tanh GeLU, as one op for the GeLU passes below

@@ -24,7 +24,9 @@ def tp_parity(rank, world, names, steps=3, parallel_kwargs=None):
                   for n in m.graph.nodes if n.op == "call_function" and n.target in (gathered_linears, scattered_linear)]
         from fxmegatron.io.dump import collective_nodes
         listed = [k for _, k in collective_nodes(pm.graph_module)]
-        out[name] = {**r, "merged": merged,
+        merged_linears = [n.meta["merged_linears"] for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+                          for n in m.graph.nodes if "merged_linears" in n.meta]
+        out[name] = {**r, "merged": merged, "merged_linears": merged_linears,
                      "listed": listed,
                      "n_local": sum(p.numel() for p in pm.parameters()),
                      "n_full": sum(p.numel() for p in ref.parameters())}
