@@ -134,6 +134,10 @@ def launch_gather(buckets: Sequence[Sequence[nn.Parameter]], which: Sequence[int
                   world: int, group) -> list:
     """Start the all-gathers of buckets ``which`` from this rank's updated segments ``segs``
     (of those buckets); ``finish_gather`` waits for them and writes every rank's parameters."""
+    if world == 1:
+        # a group of one (the experts' at dp = ep): the segments are the whole parameters, whose
+        # storage the optimizer updated in place; gathering would copy every one four times
+        return []
     by_bucket: Dict[int, List[Segment]] = {}
     for s in segs:
         by_bucket.setdefault(s.bucket, []).append(s)
