@@ -38,12 +38,12 @@ from fxmegatron.passes.gemm_epilogues import apply_gemm_epilogues
 from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
 from fxmegatron.passes.loss_terms import added_term, split_loss_problem
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
+from fxmegatron.passes.merge_linears import merge_linears
 from fxmegatron.passes.overlap_tp import apply_tp_overlap
 from fxmegatron.passes.recompute import RecomputePolicy, apply_recompute
 from fxmegatron.passes.runner import Pass, check_shapes
 from fxmegatron.passes.slice_writes import slice_writes_to_cat
 from fxmegatron.passes.tables_once import compute_tables_once
-from fxmegatron.passes.merge_linears import merge_linears
 from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
 from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
