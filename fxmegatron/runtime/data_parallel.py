@@ -129,6 +129,11 @@ class GradSync:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        if not self.shard and self.world == 1:
+            # a group of one (the experts' at dp = ep): nothing to sum; ``finish`` divides each
+            # gradient where it is, not through a flat copy and back (three passes over them)
+            self._work[b] = (None, Done(), None)
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         if not self.shard:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -182,6 +187,13 @@ class GradSync:
             return
         for b, (flat, work, _) in enumerate(self._work):
             work.wait()
+            if flat is None:        # a group of one (``_launch``)
+                for p in self.buckets[b]:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    elif self.divisor != 1:
+                        p.grad.div_(self.divisor)
+                continue
             if self.shard and self.replicas is not None:
                 all_reduce(flat, self.replicas).wait()
             if self.divisor != 1:
