@@ -6,8 +6,8 @@ importing is all it does: no model is built and no thread is started before the 
 
 The forkserver starts with Python's default ``sys.path`` (3.11's ``forkserver.main`` imports the
 preload before it applies the parent's path): ``tests/__init__.py`` puts the repository's folders
-on it. Without that, ``tests.models``' ``import gpt`` failed here, the failure left the forkserver as an ImportError that ``forkserver.main`` ignores, and
-every worker imported transformers (and built its lazy import structure) again: 4-5 s of one
+on it. Without that, ``tests.models``' ``import gpt`` failed here, the failure left the forkserver
+as an ImportError that ``forkserver.main`` ignores, and every worker imported transformers (and built its lazy import structure) again: 4-5 s of one
 core a worker. tests/test_isolation.py checks that a worker starts with all of it imported."""
 import importlib
 import pkgutil
