@@ -17,12 +17,19 @@ that computes something else (a wrong mask, a gradient summed twice, a missing t
 outside: a gradient 1% off is an error of 1e-2 where bf16 rounding gives about 3e-3 on these
 models. The check runs before timing, on its own build of each row (compiled rows compile
 twice; inductor's cache makes the second build quick).
+
+At world > 1 every rank computes the reference (the plain model on its own device, seeded: the
+same weights everywhere) and compares the gradients it holds, whole (``full_grads``: gathered
+over tp, ep and a sharded dp); the ranks' verdicts are then joined: a parameter is missing only
+when no rank holds its gradient (a pipeline stage holds its own), the row passes when every
+rank's gradients and loss do, and the worst parameter is the worst on any rank.
 """
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
 import torch
+import torch.distributed as dist
 
 from e2e.measure import release
 
@@ -70,19 +77,32 @@ def compare(loss, grads, ref) -> dict:
     passes (module docstring)."""
     _, loss32, g32, loss_bf, g_bf = ref
     missing = sorted(set(g32) - set(grads))
-    worst, ok = None, not missing
+    worst, grads_ok = None, True
     for name, g in grads.items():
         if name not in g32:
             continue
         e_row, e_plain = _rel(g, g32[name]), _rel(g_bf[name], g32[name])
-        bad = e_row > RATIO * e_plain + FLOOR
-        ok &= not bad
+        grads_ok &= e_row <= RATIO * e_plain + FLOOR
         margin = e_row / (RATIO * e_plain + FLOOR)
         if worst is None or margin > worst[3]:
             worst = (name, e_row, e_plain, margin)
     loss_ok = abs(loss - loss32) <= RATIO * abs(loss_bf - loss32) + FLOOR * abs(loss32)
-    return {"ok": ok and loss_ok, "loss": loss, "loss_fp32": loss32, "loss_plain_bf16": loss_bf,
-            "worst": worst, "missing": missing}
+    return {"ok": grads_ok and loss_ok and not missing, "grads_ok": grads_ok, "loss_ok": loss_ok, "loss": loss,
+            "loss_fp32": loss32, "loss_plain_bf16": loss_bf, "worst": worst, "missing": missing,
+            "held": sorted(grads)}
+
+
+def over_ranks(r: dict, g32) -> dict:
+    """``compare``'s result of every rank as one (module docstring); collective over the
+    default group, ``r`` itself in one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return r
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (r["grads_ok"], r["loss_ok"], r["worst"], r["held"]))
+    missing = sorted(set(g32) - set().union(*(set(e[3]) for e in every)))
+    worst = max((e[2] for e in every if e[2] is not None), key=lambda w: w[3], default=None)
+    ok = all(e[0] and e[1] for e in every) and not missing
+    return dict(r, ok=ok, worst=worst, missing=missing)
 
 
 def build_row(lay, state, spec, dev, batch, meshes):
@@ -106,7 +126,7 @@ def check_bf16(layouts, build, spec, dev, batch, lead) -> bool:
     for lay in layouts:
         job = build(lay, ref[0])
         loss = job.fwd_bwd().item()
-        r = compare(loss, _named_grads(job.keep[0]), ref)
+        r = over_ranks(compare(loss, _named_grads(job.keep[0]), ref), ref[2])
         failed |= not r["ok"]
         if lead:
             name, e_row, e_plain, _ = r["worst"] or ("-", 0.0, 0.0, 0.0)
