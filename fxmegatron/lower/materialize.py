@@ -13,6 +13,8 @@ other 1-D parameters (norm weights): GPT-2/Megatron's initialisation.
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
@@ -155,13 +157,29 @@ def materialize_graph(gm: fx.GraphModule, cap: Captured, placements: Mapping[str
     return out
 
 
+DIGEST_CHUNK = 1 << 26     # bytes: a weight larger than this is hashed in pieces on threads
+
+
 def weight_digest(t: torch.Tensor) -> str:
     """The exact bits of ``t`` (NaNs and signed zeros included), hashed on the host, with its
-    shape and dtype; "" for a meta tensor."""
+    shape and dtype; "" for a meta tensor. Digests are compared within one job only (the
+    replica check), never stored."""
     if t.device.type == "meta":
         return ""
-    raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-    return f"{tuple(t.shape)} {t.dtype} " + hashlib.blake2b(raw.numpy(), digest_size=16).hexdigest()
+    raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+    return f"{tuple(t.shape)} {t.dtype} " + _bytes_digest(raw)
+
+
+def _bytes_digest(raw) -> str:
+    """blake2b of ``raw``; above ``DIGEST_CHUNK`` bytes, blake2b of its pieces' blake2b digests,
+    the pieces hashed on threads (hashlib lets go of the GIL while it hashes a large buffer), so
+    that a weight of gigabytes (an MoE block's experts) is not hashed on one core."""
+    if raw.nbytes <= DIGEST_CHUNK:
+        return hashlib.blake2b(raw, digest_size=16).hexdigest()
+    pieces = [raw[i:i + DIGEST_CHUNK] for i in range(0, raw.nbytes, DIGEST_CHUNK)]
+    with ThreadPoolExecutor(max_workers=min(len(pieces), os.cpu_count() or 1)) as pool:
+        parts = list(pool.map(lambda piece: hashlib.blake2b(piece, digest_size=16).digest(), pieces))
+    return hashlib.blake2b(b"".join(parts), digest_size=16).hexdigest()
 
 
 def bind_groups(gm: fx.GraphModule, groups: Mapping[str, str]) -> fx.GraphModule:
