@@ -1,6 +1,11 @@
 """Data-parallel replicas (and the tp ranks of a replicated parameter, and the pipeline ranks of
 a tied weight) built with different weights are refused by parallelize, naming the parameter and
 the ranks: trained on, they would stay different for ever while the dp-averaged loss hides it."""
+import hashlib
+
+import torch
+
+from fxmegatron.lower import materialize
 from tests.distributed import run_distributed
 from tests.workers.replicas import different_weights
 
@@ -23,11 +28,6 @@ def test_ranks_given_different_weights_are_refused():
 def test_a_weight_hashed_in_pieces_tells_any_changed_bit(monkeypatch):
     """Above ``DIGEST_CHUNK`` bytes a weight is hashed in pieces on threads: every piece counts
     (the last, partial one too), as do a signed zero, a NaN's bits and the shape."""
-    import hashlib
-
-    import torch
-
-    from fxmegatron.lower import materialize
     monkeypatch.setattr(materialize, "DIGEST_CHUNK", 64)
     t = torch.randn(250)            # 1000 bytes: 15 pieces of 64 and one of 40
     d = materialize.weight_digest(t)
