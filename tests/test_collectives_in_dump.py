@@ -110,8 +110,10 @@ def _rank0_graph(name, sizes, options):
 def test_dump_collectives_listing_is_unchanged(layout, tmp_path):
     """f/g and the sequence collectives, the merged linears of tp_comm_overlap, context
     parallelism's ops (the ring's steps under each attention), the FP8 amax reductions (only
-    over a group) and gathers, and the vocab-parallel loss: each layout's listing is the one
-    recorded before the ops were described by one registry."""
+    over a group) and gathers, the vocab-parallel loss, and the ``mean_grad`` of each weight
+    whose gradient every tp rank computes alone (``passes.tensor_parallel.same_grads``): each
+    layout's listing is the one recorded before the ops were described by one registry, with
+    those ``mean_grad`` lines added since."""
     gm = _rank0_graph(*DUMP_LAYOUTS[layout])
     write_dump(str(tmp_path), gm, {})
     with open(tmp_path / "collectives.txt", encoding="utf-8", newline="") as f:
@@ -146,7 +148,7 @@ def test_every_communicating_op_has_one_record_where_it_is_defined():
         "f", "g", "max", "gather_seq", "scatter_seq", "split_seq", "all_gather_seq",
         "all_gather+linears", "linear+reduce_scatter", "cp_attention", "cp_sum", "cp_count",
         "vocab_parallel_cross_entropy[max,g,g]", "fp8_amax", "fp8_amax", "fp8_amax", "fp8_gather_seq",
-        "gather_seq_grad", "all_gather_seq_grad", "unshard"])
+        "gather_seq_grad", "all_gather_seq_grad", "unshard", "mean_grad"])
     for r in recs:
         module = getattr(r.op, "__module__", None) or ""
         assert module.startswith("fxmegatron.ops.") or module == "torch._ops.fxmegatron", (r.name, module)
@@ -155,7 +157,7 @@ def test_every_communicating_op_has_one_record_where_it_is_defined():
         assert all("group" in names[i] for i in r.group_args), (r.name, names, r.group_args)
     # dropped at tp=1 (passes.trivial_collectives): the tensor-parallel collectives alone
     assert {r.name for r in recs if r.identity_alone} == {"f", "g", "max", "gather_seq", "scatter_seq", "split_seq",
-                                                          "all_gather_seq"}
+                                                          "all_gather_seq", "mean_grad"}
 
 
 def test_a_second_record_of_one_op_is_refused():

@@ -45,6 +45,7 @@ from fxmegatron.passes.runner import Pass, check_shapes
 from fxmegatron.passes.slice_writes import slice_writes_to_cat
 from fxmegatron.passes.tables_once import compute_tables_once
 from fxmegatron.passes.tensor_parallel import TPPlan, apply_tensor_parallel, plan_tensor_parallel
+from fxmegatron.passes.tensor_parallel.same_grads import average_redundant_grads
 from fxmegatron.passes.tp_coverage import coverage
 from fxmegatron.passes.trivial_collectives import drop_trivial_collectives
 
@@ -234,6 +235,11 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     if cfg.tp_comm_overlap and tp.size > 1:
         passes.append(Pass("tp_overlap", lambda gm: apply_tp_overlap(gm, cfg.tp_comm_overlap, cfg.tp_comm_transport),
                            requires={"local_shapes"}))
+    if tp.size > 1:
+        # after the passes that find a linear's weight as a graph input (ep's experts, FP8's casts),
+        # before dp_shard, which gathers it for the block that reads it
+        passes.append(Pass("same_grads", lambda gm: average_redundant_grads(gm, gm.meta[PLAN].param_plc, tp.size,
+                                                                              TP_AXIS), requires={"local_shapes"}))
     shard_world = shard_world_of(axes)
     if cfg.dp_shard == "full" and shard_world > 1:
         # before recompute: a block's gather falls inside its recomputed region (see passes.dp_shard)

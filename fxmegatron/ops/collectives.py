@@ -6,6 +6,8 @@ pair f/g is built on it as autograd functions:
 
 * ``copy_to_tp``   (f): identity forward, all-reduce backward
 * ``reduce_from_tp`` (g): all-reduce forward, identity backward
+* ``mean_grad``: identity forward, the ranks' gradients averaged backward (a weight
+  every rank computes the gradient of alone: ``passes.tensor_parallel.same_grads``)
 
 A group is named by its ``group_name`` string (as torch's functional
 collectives do) and resolved at run time by ``fxmegatron.ops.groups``: a process
@@ -190,6 +192,28 @@ def reduce_from_tp(x: Tensor, group_name: str) -> Tensor:
 
 
 register(reduce_from_tp, "g", "all-reduce(sum) forward, identity backward", (1,), identity_alone=True)
+
+
+class _MeanGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, world, group_name):
+        ctx.args = (world, group_name)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world, group_name = ctx.args
+        return all_reduce(grad, "sum", group_name) / world, None, None
+
+
+def mean_grad(x: Tensor, world: int, group_name: str) -> Tensor:
+    """Identity forward; backward the mean of the ``world`` ranks' gradients, the same bits on
+    every rank (an all-reduce gives each rank the same sum)."""
+    return _MeanGrad.apply(x, world, group_name)
+
+
+register(mean_grad, "mean_grad", "identity forward, all-reduce(sum) / world of the gradient backward", (2,),
+         identity_alone=True)
 
 
 def all_reduce_max(x: Tensor, group_name: str) -> Tensor:
