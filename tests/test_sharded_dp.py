@@ -14,7 +14,7 @@ from fxmegatron.runtime.sharded_dp import ALIGN, padded_numel, segments
 from tests.distributed import run_distributed
 from tests.workers.sharded_dp import shard_parity
 
-LAYOUTS = {"dp2": {"dp": 2}, "dp2-small": {"dp": 2}, "dp4": {"dp": 4}, "dp2-tp2": {"dp": 2, "tp": 2},
+LAYOUTS = {"dp2": {"dp": 2}, "dp2-small": {"dp": 2}, "dp2-moved": {"dp": 2}, "dp4": {"dp": 4}, "dp2-tp2": {"dp": 2, "tp": 2},
            "dp2-pp2": {"dp": 2, "pp": 2}, "dp2-cp2": {"dp": 2, "cp": 2},
            # dp_shard="gradients" (ZeRO-2): a reduce-scatter per bucket and microbatch
            "grads-dp2-m4-small": {"dp": 2}, "grads-dp4-m2": {"dp": 4}, "grads-dp2-tp2-m2": {"dp": 2, "tp": 2},
@@ -60,8 +60,14 @@ def test_sharded_optimizer_steps_match(layout, request):
     small = layout.endswith("small")
     if small:       # many chunks: the optimizer's kernel (in the interpreter on CPU) reads their tables
         request.getfixturevalue("triton_interpreter")
-    per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, KW.get(layout), small)
+    moved = layout.endswith("moved")
+    per_rank = run_distributed(shard_parity, world, dims, names, 5, 0.05, KW.get(layout), small, moved)
     _check(per_rank, world)
+    # every bucket's parameters were gathered into in place (runtime.sharded_dp.adopt), but the one
+    # whose storage was replaced, which went through copies and still matches
+    for res in per_rank:
+        for r in res.values():
+            assert r["in_place"] and r["in_place"] == [not moved] + [True] * (len(r["in_place"]) - 1), r["in_place"]
     if layout == "grads-dp2-m4-small":
         # between microbatches no whole gradient is left, two launches at most are in flight, and
         # the sums are this rank's pieces alone

@@ -121,7 +121,7 @@ class ShardedAdamW:
                     self._views[i].grad = sync.pieces[s.bucket][s.at:s.at + s.numel]
                 inner.step(grad_scale)
             started = (sync.buckets, launch_gather(sync.buckets, bs, [self.segments[i] for i in self._members[k]],
-                                                   sync.world, sync.group))
+                                                   sync.world, sync.group, sync.rank, sync.param_buffers))
             if pending is not None:
                 finish_gather(*pending)
             pending = started

@@ -24,7 +24,7 @@ import torch.nn as nn
 from fxmegatron.errors import ReplicaError, ShardingError
 from fxmegatron.lower.materialize import weight_digest
 from fxmegatron.mesh import Axis
-from fxmegatron.runtime.sharded_dp import (Done, all_gather, all_reduce, bucket_layout, reduce_scatter_bucket,
+from fxmegatron.runtime.sharded_dp import (Done, adopt, all_gather, all_reduce, bucket_layout, reduce_scatter_bucket,
                                            segments)
 
 
@@ -75,6 +75,9 @@ class GradSync:
         self.pieces: List[Optional[torch.Tensor]] = [None] * len(self.buckets)
         # this rank's parts of the parameters in its pieces (the optimizer's and the norm's), once
         self.segments = segments(self.buckets, world, rank) if shard else []
+        # under sharding each bucket's parameters move into one flat buffer, which the updated
+        # pieces are all-gathered into in place (``runtime.sharded_dp.adopt``)
+        self.param_buffers = [adopt(b, world) for b in self.buckets] if shard and world > 1 else []
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         self._expected: Dict[int, int] = {}
@@ -242,7 +245,8 @@ class GradSync:
 
 
 def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping, replicated: Callable[[str], bool],
-                       shared: Collection[str], known: Optional[Mapping[str, str]] = None) -> None:
+                       shared: Collection[str], known: Optional[Mapping[str, str]] = None,
+                       apart: Collection[str] = (), after: str = "") -> None:
     """Raise ``ReplicaError`` on every rank, naming the first parameter and the ranks, when ranks
     that must hold the same values of a parameter do not: the data-parallel replicas (with the cp
     ranks of each), the tp ranks of a parameter replicated over tp (``replicated(name)``) and
@@ -256,11 +260,14 @@ def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping,
     leaves the caller's weights as they are, and costs a hash of each local shard rather than
     a copy of every weight. ``known``: digests of parameters whose tensors here are not what
     the ranks compare (``dp_shard="full"`` keeps a shard: the digest of the whole local piece
-    it was cut from)."""
+    it was cut from). ``apart``: parameters left out of the data-parallel comparisons (the ranks
+    hold different pieces of them). ``after``: the check runs after training began (``"after
+    step 12"``): the message then says what parts replicas that started equal."""
     named = list(named)
     known = known or {}
-    checks = [(axes.get("dp_cp", axes["dp"]), "data-parallel replicas", lambda n: True),
-              (axes.get("dp_replicate", Axis()), "replica groups of hybrid sharding", lambda n: True),
+    apart = frozenset(apart)
+    checks = [(axes.get("dp_cp", axes["dp"]), "data-parallel replicas", lambda n: n not in apart),
+              (axes.get("dp_replicate", Axis()), "replica groups of hybrid sharding", lambda n: n not in apart),
               (axes["tp"], "tp ranks (it is replicated over tp)", replicated),
               (axes["pp"], "pipeline ranks holding a copy of this tied weight", lambda n: n in shared)]
     checks = [c for c in checks if c[0].size > 1]
@@ -280,10 +287,15 @@ def check_same_weights(named: Iterable[Tuple[str, torch.Tensor]], axes: Mapping,
             odd = [r for r, d in held if d != held[0][1]]
             if odd and problem is None:
                 same = [r for r, d in held if d == held[0][1]]
-                problem = (f"parameter {n!r} differs between the {who}: global rank(s) {same} hold one value and "
-                           f"{odd} another: they would train different models and no loss would show it. Build "
-                           "the model the same way on every rank (torch.manual_seed(S) before constructing it, or "
-                           "the same weights loaded on every rank), or pass state_dict=")
+                problem = (f"parameter {n!r} differs between the {who}{' ' + after if after else ''}: global "
+                           f"rank(s) {same} hold one value and {odd} another: ")
+                problem += ("the ranks no longer train one model, and no loss shows it. They started equal: an "
+                            "update that was not the same on every rank parted them (a gradient each rank computes "
+                            "alone on kernels that round differently is averaged for weights replicated over tp, "
+                            "docs/TENSOR_PARALLEL.md#replicated-weights; report the layout)" if after else
+                            "they would train different models and no loss would show it. Build the model the same "
+                            "way on every rank (torch.manual_seed(S) before constructing it, or the same weights "
+                            "loaded on every rank), or pass state_dict=")
     found: List[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(found, problem)      # every rank raises, none is left waiting in a collective
     first = next((f for f in found if f is not None), None)

@@ -11,6 +11,13 @@ piece. The optimizer keeps fp32 masters, m and v for the segments only, updates 
 ``launch_gather`` / ``finish_gather`` all-gather each bucket's updated values into every rank's
 parameters.
 
+Each bucket's parameters live in one flat buffer laid out as its gradient (``adopt``: Megatron's
+parameter buffer), so this rank's piece of the buffer is where the optimizer writes its
+segments, and the all-gather fills the buffer in place: no copy of the updated values into a
+piece and out of a gathered buffer, two passes over every parameter and hundreds of small
+kernels a step. A parameter whose storage was replaced since (``p.data = ...``) no longer lies
+in its buffer: its bucket is then gathered through copies, as before.
+
 A weight that several pipeline ranks hold (a tied embedding and LM head) is a bucket of its
 own: its pieces are then the same elements on every holder, and the holders' pieces are
 summed over the pipeline group as the whole gradients are without sharding
@@ -26,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxmegatron.mesh import Axis
-from fxmegatron.ops.groups import communicator
+from fxmegatron.ops.groups import communicator, nccl_like
 
 DP_SHARD_MODES = ("none", "optimizer", "gradients", "full")
 SHARDED_OPTIMIZER = ("optimizer", "gradients")      # the modes whose optimizer is ShardedAdamW over pieces
@@ -130,10 +137,33 @@ def all_gather(out: torch.Tensor, piece: torch.Tensor, group, async_op: bool = F
 
 
 @torch.no_grad()
+def adopt(bucket: Sequence[nn.Parameter], world: int) -> torch.Tensor:
+    """One flat buffer laid out as ``bucket``'s gradient (``bucket_layout``, the gaps zero), holding
+    the parameters' values; each parameter's storage becomes its place there."""
+    offsets, padded = bucket_layout([p.numel() for p in bucket], world)
+    flat = torch.zeros(padded, dtype=bucket[0].dtype, device=bucket[0].device)
+    for p, o in zip(bucket, offsets):
+        flat[o:o + p.numel()].copy_(p.detach().reshape(-1))
+        p.data = flat[o:o + p.numel()].view_as(p)
+    return flat
+
+
+def in_buffer(bucket: Sequence[nn.Parameter], flat: Optional[torch.Tensor], world: int) -> bool:
+    """Whether every parameter of ``bucket`` still lies where ``adopt`` put it in ``flat``."""
+    if flat is None or flat.device.type == "meta":
+        return False
+    offsets, _ = bucket_layout([p.numel() for p in bucket], world)
+    base, size = flat.data_ptr(), flat.element_size()
+    return all(p.data_ptr() == base + o * size and p.is_contiguous() for p, o in zip(bucket, offsets))
+
+
+@torch.no_grad()
 def launch_gather(buckets: Sequence[Sequence[nn.Parameter]], which: Sequence[int], segs: Sequence[Segment],
-                  world: int, group) -> list:
+                  world: int, group, rank: int = 0, buffers: Sequence[Optional[torch.Tensor]] = ()) -> list:
     """Start the all-gathers of buckets ``which`` from this rank's updated segments ``segs``
-    (of those buckets); ``finish_gather`` waits for them and writes every rank's parameters."""
+    (of those buckets); ``finish_gather`` waits for them and writes every rank's parameters.
+    ``buffers``: the buckets' parameter buffers (``adopt``), gathered into in place where the
+    parameters still lie in them (this rank ``rank``'s piece is then the updated one)."""
     if world == 1:
         # a group of one (the experts' at dp = ep): the segments are the whole parameters, whose
         # storage the optimizer updated in place; gathering would copy every one four times
@@ -145,6 +175,14 @@ def launch_gather(buckets: Sequence[Sequence[nn.Parameter]], which: Sequence[int
     for b in which:
         bucket = buckets[b]
         padded = padded_numel(bucket, world)
+        flat = buffers[b] if b < len(buffers) else None
+        if in_buffer(bucket, flat, world):
+            n = padded // world
+            piece = flat[rank * n:(rank + 1) * n]
+            if not _simulated(group) and not nccl_like(group):
+                piece = piece.clone()       # gloo: no input inside the output
+            pending.append((b, None, all_gather(flat, piece, group, async_op=True), piece))
+            continue
         piece = torch.zeros(padded // world, dtype=bucket[0].dtype, device=bucket[0].device)
         mine = by_bucket.get(b, ())
         if mine:
@@ -159,6 +197,8 @@ def launch_gather(buckets: Sequence[Sequence[nn.Parameter]], which: Sequence[int
 def finish_gather(buckets: Sequence[Sequence[nn.Parameter]], pending: list) -> None:
     for b, out, work, _ in pending:
         work.wait()         # on a GPU the stream waits, not the host
+        if out is None:     # gathered into the parameters' own buffer
+            continue
         offsets, _ = bucket_layout([p.numel() for p in buckets[b]], 1)
         torch._foreach_copy_([p.detach().view(-1) for p in buckets[b]],
                              [out[o:o + p.numel()] for o, p in zip(offsets, buckets[b])])

@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-from fxmegatron.runtime.sharded_dp import padded_numel
+from fxmegatron.runtime.sharded_dp import in_buffer, padded_numel
 from tests import models
 
 
@@ -70,12 +70,14 @@ def _groups(named, dims=lambda n, p: p.dim()):
             {"params": [p for n, p in named if dims(n, p) < 2], "weight_decay": 0.0}]
 
 
-def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, small=False):
+def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, small=False, moved=False):
     """``steps`` clipped AdamW steps on different batches with masked labels at mesh ``dims``
     ({"dp": 2, "tp": 2, ...}) with the optimizer sharded, next to ``torch.optim.AdamW`` and
     ``clip_grad_norm_`` on the unmodified model: per model, the losses, norms, each parameter's
     relative error after the last step, and the bytes of optimizer state on this rank. ``small``:
-    buckets of 20 kB and optimizer chunks of 50 kB (many of each, parameters cut across ranks)."""
+    buckets of 20 kB and optimizer chunks of 50 kB (many of each, parameters cut across ranks).
+    ``moved``: the first bucket's first parameter given new storage after ``parallelize`` (so it no
+    longer lies in its bucket's buffer: that bucket is gathered through copies)."""
     import fxmegatron
     from fxmegatron.optim import clip_coefficient
 
@@ -94,6 +96,9 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
                                      shard=True, rank=old.rank, alone=old.alone, every_microbatch=old.every_microbatch,
                                      sum_dtype=old.sum_dtype)
             chunk = {"chunk_mb": 0.05}
+        if moved:
+            p = pm._grad_sync.buckets[0][0]
+            p.data = p.data.clone()
         held = _watch_gradients(pm) if pm.program.pipeline is None and pm.grad_sync is not None else None
         opt = pm.adamw(_groups(pm.named_parameters(), lambda n, p: pm.param_dims(n)), lr=1e-3, **chunk)
         opt_ref = torch.optim.AdamW(_groups(ref.named_parameters()), lr=1e-3)
@@ -131,7 +136,10 @@ def shard_parity(rank, world, dims, names, steps=5, max_norm=0.05, kw=None, smal
                                          for n, p in pm.named_parameters() if n in pm.program.experts),
                      "noise": sum(int((g <= 1e-6 * top).sum()) for g in grad_max.values()),
                      "whole_numel": whole, "n_params": len(list(pm.parameters())), "buckets": len(pm._grad_sync.buckets) if pm._grad_sync else 0,
-                     "chunks": len(getattr(opt, "chunks", ()))}
+                     "chunks": len(getattr(opt, "chunks", ())),
+                     # per bucket: its parameters still lie in its buffer (gathered in place)
+                     "in_place": [in_buffer(b, f, s.world) for s in pm.grad_syncs if s.world > 1
+                                  for b, f in zip(s.buckets, s.param_buffers)]}
         if held is not None:
             sync = pm._grad_sync
             out[name].update(held, sums_expected=sum(padded_numel(b, world) // world * b[0].element_size()
