@@ -7,7 +7,7 @@ import torch
 
 from fxmegatron.lower import materialize
 from tests.distributed import run_distributed
-from tests.workers.replicas import different_weights
+from tests.workers.replicas import different_weights, parted_during_training
 
 
 def test_ranks_given_different_weights_are_refused():
@@ -46,3 +46,32 @@ def test_a_weight_hashed_in_pieces_tells_any_changed_bit(monkeypatch):
     n2.view(torch.int32)[249] ^= 1           # another NaN payload
     assert materialize.weight_digest(n1) != materialize.weight_digest(n2)
     assert materialize.weight_digest(t.view(10, 25)) != d
+
+
+def test_copies_that_part_during_training_are_named():
+    """``pm.check_replicas`` (the trainer runs it before each checkpoint): after a step nothing is
+    reported, shards and experts included; a copy nudged on one rank is named with the ranks."""
+    per_rank = run_distributed(parted_during_training, 2)
+    assert per_rank[0] == per_rank[1]
+    (tp_first, tp_second), (full_first, _), (ep_first, ep_second) = per_rank[0]
+    assert tp_first is None and full_first is None and ep_first is None, per_rank[0]
+    assert tp_second.startswith("parameter 'blocks.1.ln2.weight' differs between the tp ranks (it is replicated over "
+                                "tp) after step 1: global rank(s) [0] hold one value and [1] another"), tp_second
+    assert "no longer train one model" in tp_second
+    assert ep_second.startswith("parameter 'model.layers.0.mlp.gate.weight' differs between the data-parallel "
+                                "replicas after step 1"), ep_second
+
+
+def test_a_fingerprint_tells_one_changed_element_anywhere():
+    from fxmegatron.runtime import replica_check
+    t = torch.randn(1000).to(torch.bfloat16)
+    f = replica_check.fingerprint(t)
+    assert f == replica_check.fingerprint(t.clone())
+    for at in (0, 499, 999):
+        u = t.clone()
+        u[at] = -u[at] if u[at] != 0 else 1.0
+        assert replica_check.fingerprint(u) != f, at
+    swapped = t.clone()
+    swapped[[3, 7]] = t[[7, 3]]
+    assert t[3] == t[7] or replica_check.fingerprint(swapped) != f     # order counts
+    assert replica_check.fingerprint(t.view(10, 100)) != f

@@ -158,6 +158,12 @@ class ParallelModel(WholeTensors, GradientStep, nn.Module):
         """The size of every mesh axis, as ``coords()`` names them (absent: 1)."""
         return {a: n for a, (_, n) in self._axes().items()}
 
+    def check_replicas(self, after: str = "") -> None:
+        """Raise ``ReplicaError`` when ranks that hold copies of a parameter no longer hold the
+        same bits (``runtime.replica_check``); collective over every rank of the job."""
+        from fxmegatron.runtime.replica_check import check_replicas
+        check_replicas(self, after)
+
     def placement(self, name: str) -> Placement:
         """How parameter ``name`` (original model's name) is split over tp."""
         return self.program.placement(name)

@@ -68,6 +68,9 @@ KEYS: List[Key] = [
        "FusedAdamW, fp32 gradient accumulation over microbatches)", choices=("fp32", "bf16")),
     _k("run", "on_nonfinite", STR, "stop", "a NaN/inf loss or gradient norm: stop the run naming the step, or "
        "skip that step's update", choices=("stop", "skip")),
+    _k("run", "check_replicas_every", INT, 0, "compare the ranks' copies of every replicated weight (tp, dp, "
+       "pipeline-tied) every N steps, and always before a checkpoint is written: copies that parted stop the run, "
+       "named (0: before checkpoints only)", minimum=0),
     _k("run", "watchdog_s", FLOAT, 600.0, "a rank that makes no progress within a step for this many seconds "
        "ends the whole job, naming the rank and where it stood", minimum=1),
     _k("run", "first_step_s", FLOAT, 1800.0, "the same allowance for the first step (compilation happens there)",

@@ -208,7 +208,10 @@ def _loop(pm, opt, prep: Prepared, env: Env, wd, start: int, resume: Optional[st
                 metrics.log(row)
                 progress.update(row)
             stopping = stop.agreed()
-            if done == steps or stopping or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
+            saving = done == steps or stopping or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+            if saving or (cfg.run.check_replicas_every and done % cfg.run.check_replicas_every == 0):
+                pm.check_replicas(after=f"after step {done}")      # no checkpoint of copies that parted
+            if saving:
                 path = checkpoints.save(pm, opt, cfg.checkpoint.dir, done, cfg.checkpoint.keep, extra, files)
                 saved_at = done
                 _say(lead, progress, f"step {done}: checkpoint {path}")
