@@ -29,7 +29,7 @@ def _plant(gm, placement, eps):
     """Every computation that reads a weight replicated over tp gets the gradient it gives the
     weight scaled on this rank (the weight followed through casts, views and collectives to
     those readers: where a kernel rounds)."""
-    from fxmegatron.passes.tensor_parallel.same_grads import SAME_ON_EVERY_RANK, _weights_only
+    from fxmegatron.passes.tensor_parallel.same_grads import SAME_ON_EVERY_RANK, weights_only
     through = (mean_grad, *SAME_ON_EVERY_RANK)
     todo = [n for n in gm.graph.nodes if n.op == "get_attr" and placement(n.target) == R]
     seen = set(todo)
@@ -37,7 +37,7 @@ def _plant(gm, placement, eps):
         src = todo.pop()
         readers = []
         for u in list(src.users):
-            if u.target in through or _weights_only(u):
+            if u.target in through or weights_only(u):
                 if u not in seen:
                     seen.add(u)
                     todo.append(u)

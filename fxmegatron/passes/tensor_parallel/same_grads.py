@@ -34,16 +34,17 @@ from fxmegatron.placement import R, place
 SAME_ON_EVERY_RANK = (copy_to_tp, split_seq)
 
 
-def _weights_only(n: fx.Node) -> bool:
+def weights_only(n: fx.Node) -> bool:
+    """Whether ``n`` is computed from graph attributes alone (a weight's cast, transpose, view)."""
     return n.op == "call_function" and bool(n.all_input_nodes) and all(
-        a.op == "get_attr" or _weights_only(a) for a in n.all_input_nodes)
+        a.op == "get_attr" or weights_only(a) for a in n.all_input_nodes)
 
 
 def _same(n: fx.Node, memo: Dict[fx.Node, bool]) -> bool:
     """Whether every path from ``n`` to a computation passes through a collective that gives
     each rank the same gradient."""
     if n not in memo:
-        memo[n] = all(u.target in SAME_ON_EVERY_RANK or (_weights_only(u) and _same(u, memo)) for u in n.users)
+        memo[n] = all(u.target in SAME_ON_EVERY_RANK or (weights_only(u) and _same(u, memo)) for u in n.users)
     return memo[n]
 
 
@@ -58,12 +59,12 @@ def average_redundant_grads(gm: fx.GraphModule, param_plc, world: int, group_nam
         if n.op != "get_attr" or param_plc.get(n.target) != R or not n.users:
             continue
         alone = [u for u in n.users
-                 if not (u.target in SAME_ON_EVERY_RANK or (_weights_only(u) and _same(u, memo)))]
+                 if not (u.target in SAME_ON_EVERY_RANK or (weights_only(u) and _same(u, memo)))]
         if not alone:
             continue
         with gm.graph.inserting_after(n):
             m = gm.graph.call_function(mean_grad, (n, world, group_name))
-        m.meta.update({k: v for k, v in n.meta.items()})
+        m.meta.update(n.meta)
         # the block that reads it (sharded data parallelism gathers a weight for its block)
         m.meta["nn_module_stack"] = alone[0].meta.get("nn_module_stack", n.meta.get("nn_module_stack"))
         m.meta["tp_rule"] = "collective (a replicated weight's gradients averaged)"
