@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fxmegatron.ops.attention_blocks import KERNELS, block_backward, block_forward, merge, merge_
 from fxmegatron.ops.context_attention import (
     Block, Exchange, Gather, Merge, ReduceScatterGrad, ReturnGrad, Wait, attention_plan, chunks_of,
-    cp_attention, describe, load_balanced_index, run_forward)
+    cp_attention, describe, load_balanced_index, run_backward, run_forward)
 from fxmegatron.ops.groups import SimulatedComm, SimulatedGroup
 from tests.distributed import run_distributed
 from tests.workers.context_attention import Case, cp_cases, grid, shard_errors
@@ -369,3 +369,48 @@ def test_cp_attention_nccl_world2():
     for res in run_distributed(cp_cases, 2, cases, backend="nccl"):
         for key, errs in res.items():
             assert_close(errs, key, 3e-2, 3e-2, 3e-2, relative=True)
+
+
+@pytest.mark.parametrize("heads_first", [True, False], ids=["BHSD", "BSHD"])
+def test_the_ops_outputs_are_laid_out_as_their_fakes_say(heads_first):
+    # inductor trusts the fake's strides: an output laid out otherwise would be read wrongly,
+    # silently. q as the projections give it ([B, S, H, D] transposed) or dense [B, H, S, D]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fxmegatron.ops.context_parallel import _cp_attention, _cp_attention_backward  # noqa: F401
+    b, s, h, hkv, d = 1, 8, 4, 2, 8
+
+    def laid(*shape):
+        x = torch.randn(b, s, shape[0], d)
+        return x.transpose(1, 2).contiguous() if heads_first else x.transpose(1, 2)
+
+    q, k, v = laid(h), laid(hkv), laid(hkv)
+
+    def real(t, r):
+        fwd_out, lse = run_forward(attention_plan(2, r, True), q, k, v, scale=0.3, transport=t)
+        grads = run_backward(attention_plan(2, r, True), torch.randn_like(fwd_out), q, k, v, fwd_out, lse,
+                             scale=0.3, transport=t)
+        return [x.stride() for x in (fwd_out, lse, *grads)]
+
+    got = ThreadRanks(2).run(real)[0]
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+        out, lse = torch.ops.fxmegatron.cp_attention(fq, fk, fv, True, 0.3, "sim:x", 2, 0, "ring")
+        grads = torch.ops.fxmegatron.cp_attention_backward(out, fq, fk, fv, out, lse, True, 0.3, "sim:x", 2, 0,
+                                                           "ring")
+        fake = [x.stride() for x in (out, lse, *grads)]
+    assert got == fake
+    assert got[0] == q.stride() and got[2] == q.stride()     # out and dq in q's layout: no copies around
+
+
+def test_block_sums_copy_first_add_after_and_zero_what_nobody_wrote():
+    from fxmegatron.ops.attention_blocks import BlockSums
+    rows = {0: slice(0, 2), 1: slice(2, 4)}
+    sums = BlockSums(torch.full((4, 3), float("nan")), lambda r, ch: (rows[ch],))   # garbage where unwritten
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    sums.add(0, (0,), [((rows[0],), a)])
+    sums.add(0, (0,), [((rows[0],), b)])
+    assert not sums.complete([(0, 0), (0, 1)])
+    got = sums.whole([(0, 0), (0, 1)])
+    assert torch.equal(got[:2], a + b) and torch.equal(got[2:], torch.zeros(2, 3))
+    with pytest.raises(RuntimeError, match="partly summed before"):
+        sums.add(0, (0, 1), [((slice(0, 4),), torch.randn(4, 3))])

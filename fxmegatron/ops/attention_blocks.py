@@ -42,6 +42,48 @@ def merge_(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
     lse.copy_(new)
 
 
+def in_q_order(shape, q: Tensor, dtype: torch.dtype) -> Tensor:
+    """An empty tensor of ``shape`` laid out densely in q's order of dimensions (``dense_strides``):
+    the layout of the fused kernels' outputs, and of what the op returns (its fake says so too)."""
+    return torch.empty_strided(tuple(shape), dense_strides(shape, q), dtype=dtype, device=q.device)
+
+
+class BlockSums:
+    """An fp32 accumulator of row chunks: a chunk's first contribution is copied in, later ones
+    added, and the chunks nobody wrote are zeroed when the sum is read (``whole``), so the
+    common case (every chunk written) never fills zeros nor reads them back. ``where(r, ch)``:
+    the index of rank r's chunk ch in ``t``."""
+
+    def __init__(self, t: Tensor, where, whole: bool = False):
+        self.t, self.where, self.written, self.all = t, where, set(), whole
+
+    def add(self, r: int, chunks, parts) -> None:
+        """Add each (index, value) of ``parts`` to ``t``; together they cover rank r's ``chunks``."""
+        keys = {(r, ch) for ch in chunks}
+        if keys & self.written and not keys <= self.written:
+            raise RuntimeError(f"context-parallel plan: a block covers chunks {chunks} of rank {r}, partly "
+                               "summed before")
+        first = not self.all and not keys <= self.written
+        for at, x in parts:
+            if first:
+                self.t[at].copy_(x)
+            else:
+                self.t[at].add_(x)
+        self.written |= keys
+
+    def complete(self, keys) -> bool:
+        """Whether every (rank, chunk) of ``keys`` got a contribution."""
+        return self.all or all(k in self.written for k in keys)
+
+    def whole(self, keys) -> Tensor:
+        """The sum, with every (rank, chunk) of ``keys`` that got no contribution set to zero."""
+        if not self.all:
+            for r, ch in keys:
+                if (r, ch) not in self.written:
+                    self.t[self.where(r, ch)].zero_()
+        return self.t
+
+
 def block_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q against this block of k, v alone; out in fp32 or q's dtype, lse fp32."""
     if _kernel_ok(q):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from fxmegatron.ops.attention_blocks import block_backward, block_forward, merge_
+from fxmegatron.ops.attention_blocks import BlockSums, block_backward, block_forward, in_q_order, merge_
 from fxmegatron.ops.groups import ProcessGroupComm
 
 VARIANTS = ("ring", "allgather")
@@ -250,7 +250,9 @@ def run_forward(plan: List[Step], q: Tensor, k: Tensor, v: Tensor, *, scale: flo
     """Walk ``plan`` forward: (out in q's dtype, lse fp32) of this rank's rows. The first block of
     a row is copied into the fp32 accumulators, later ones merged in place."""
     cp, rank, c = transport.size, transport.rank, q.shape[2] // 2
-    out = torch.empty(q.shape[:3] + v.shape[3:], dtype=torch.float32, device=q.device)
+    # laid out as q (``in_q_order``): the blocks' outputs are, and so are what reads out after
+    # (the output projection, through the heads' transpose) and the backward's kernels
+    out = in_q_order(q.shape[:3] + v.shape[3:], q, torch.float32)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     written: set = set()                         # query chunks whose rows hold a partial result
     kv, owner = torch.stack([k, v]), rank        # [2, B, Hkv, S_local, D]: one message a hop
@@ -291,42 +293,54 @@ def run_backward(plan: List[Step], dout: Tensor, q: Tensor, k: Tensor, v: Tensor
     """Walk ``plan`` backward from ``run_forward``'s out and lse: dq, and dk, dv of this rank's
     own K/V (every rank's contributions summed)."""
     cp, rank, c = transport.size, transport.rank, q.shape[2] // 2
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # fp32 sums whose chunks of rows the first block writes and the others add to (no zeros filled
+    # and read back: ``BlockSums``); dq laid out as q, as the projections' backward reads it
+    q_rows = lambda r, ch: (slice(None),) * 2 + (_rows((ch,), r, cp, c),)            # noqa: E731
+    _keys = lambda ranks: [(r, ch) for r in ranks for ch in chunks_of(cp, r)]          # noqa: E731
+    dq = BlockSums(in_q_order(q.shape, q, torch.float32), q_rows)
     kv, owner = torch.stack([k, v]), rank
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # of the K/V held now
+    kv_rows = lambda r, ch: (slice(None),) * 3 + (_rows((ch,), r, cp, c),)          # noqa: E731
+    dkv = BlockSums(torch.empty(kv.shape, dtype=torch.float32, device=q.device), kv_rows)   # of the K/V held now
     gathered = posted = grads_in = None
     for st in plan:
         if isinstance(st, Gather):
             gathered = transport.all_gather(kv)
-            dkv = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
+            dkv = BlockSums(torch.empty(gathered.shape, dtype=torch.float32, device=q.device),
+                            lambda r, ch: (r,) + kv_rows(r, ch))
         elif isinstance(st, Exchange):
             posted = transport.shift(kv, st.send_to, st.recv_from)
         elif isinstance(st, Block):
             if gathered is None:
                 _check_held(st, owner)
-            src, acc = (kv, dkv) if gathered is None else (gathered[st.kv_rank], dkv[st.kv_rank])
+            src = kv if gathered is None else gathered[st.kv_rank]
             qr, kr = _rows(st.q_chunks, rank, cp, c), _rows(st.kv_chunks, st.kv_rank, cp, c)
             dq_b, dk_b, dv_b = block_backward(
                 dout[:, :, qr], q[:, :, qr], src[0][:, :, kr], src[1][:, :, kr], out[:, :, qr],
                 lse[:, :, qr], causal=st.kind == "causal", scale=scale)
-            dq[:, :, qr] += dq_b
-            acc[0][:, :, kr] += dk_b
-            acc[1][:, :, kr] += dv_b
+            dq.add(rank, st.q_chunks, [((slice(None),) * 2 + (qr,), dq_b)])
+            lead = () if gathered is None else (st.kv_rank,)
+            dkv.add(st.kv_rank, st.kv_chunks, [(lead + (i, slice(None), slice(None), kr), d)
+                                               for i, d in enumerate((dk_b, dv_b))])
         elif isinstance(st, Wait):
-            kv, owner = posted.wait(), st.now_kv_of
             # what the ranks before us gathered for the K/V we just worked on joins ours and goes
             # on; its transfer overlaps the next step's blocks
+            done = dkv.whole(_keys([owner]))
+            kv, owner = posted.wait(), st.now_kv_of
             if grads_in is not None:
-                dkv += grads_in.wait()
-            grads_in = transport.shift(dkv, st.send_to, st.recv_from)
-            dkv = torch.zeros_like(dkv)
+                done += grads_in.wait()
+            grads_in = transport.shift(done, st.send_to, st.recv_from)
+            dkv = BlockSums(torch.empty_like(done), kv_rows)
         elif isinstance(st, ReturnGrad):
+            done = dkv.whole(_keys([owner]))
             if grads_in is not None:
-                dkv += grads_in.wait()
-            dkv = transport.shift(dkv, st.send_to, st.recv_from).wait()
+                done += grads_in.wait()
+            dkv = BlockSums(transport.shift(done, st.send_to, st.recv_from).wait(), kv_rows, whole=True)
         elif isinstance(st, ReduceScatterGrad):
-            dkv = transport.reduce_scatter(dkv)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+            dkv = BlockSums(transport.reduce_scatter(dkv.whole(_keys(range(cp)))), kv_rows, whole=True)
+    if not dq.complete(_keys([rank])):
+        raise RuntimeError(f"context-parallel plan of rank {rank}: some query chunks got no gradient")
+    dkv = dkv.whole(_keys([rank]))
+    return dq.t.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _ContextAttention(torch.autograd.Function):

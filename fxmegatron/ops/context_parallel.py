@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from fxmegatron.ops.attention_blocks import like_q
 from fxmegatron.ops.collectives import all_reduce, reduce_from_tp
 from fxmegatron.ops.groups import communicator, resolve_group
 from fxmegatron.ops.registry import register
@@ -69,7 +70,9 @@ def _cp_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optio
 
 @_cp_attention.register_fake
 def _(q, k, v, is_causal, scale, group_name, cp, rank, variant):
-    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    from fxmegatron.ops.attention_blocks import in_q_order
+    # the layouts run_forward gives: out in q's order of dimensions, lse dense
+    return in_q_order(q.shape[:-1] + v.shape[-1:], q, q.dtype), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fxmegatron::cp_attention_backward", mutates_args=())
@@ -88,7 +91,9 @@ def _cp_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 
 @_cp_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale, group_name, cp, rank, variant):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)     # contiguous, as computed
+    from fxmegatron.ops.attention_blocks import in_q_order
+    # as run_backward computes them: dq in q's order of dimensions, dk and dv dense
+    return in_q_order(q.shape, q, q.dtype), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _scale(scale, q):
@@ -110,7 +115,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     # lse is the op's own: the graph reads out alone (``getitem 0``), so dlse is None or zeros
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _cp_attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+    # dout laid out as out (q's order: what the output projection's backward gives, uncopied)
+    dq, dk, dv = _cp_attention_backward(like_q(dout, q), q, k, v, out, lse, *ctx.args)
     return (dq, dk, dv) + (None,) * len(ctx.args)
 
 

@@ -104,8 +104,14 @@ def _simulated(group) -> bool:
 def reduce_scatter_bucket(grads: Sequence[torch.Tensor], world: int, group):
     """(this rank's piece, the work, the flat input kept alive until the work ends)."""
     offsets, padded = bucket_layout([g.numel() for g in grads], world)
-    flat = grads[0].new_zeros(padded)
-    torch._foreach_copy_([flat[o:o + g.numel()] for o, g in zip(offsets, grads)], [g.reshape(-1) for g in grads])
+    if world > 1 and len(grads) == 1 and grads[0].numel() == padded and grads[0].is_contiguous():
+        # one parameter filling its bucket (a large weight): reduce-scattered where it is. Its
+        # gradient is only read (the piece is another tensor) and is dropped by the caller
+        flat = grads[0].view(-1)
+    else:
+        flat = grads[0].new_zeros(padded)
+        torch._foreach_copy_([flat[o:o + g.numel()] for o, g in zip(offsets, grads)],
+                             [g.reshape(-1) for g in grads])
     if world == 1:          # a group of one (the experts' at dp = ep): the piece is the bucket
         return flat, Done(), flat
     piece = flat.new_empty(padded // world)
