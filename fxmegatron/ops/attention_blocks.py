@@ -44,7 +44,8 @@ def merge_(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
 
 def in_q_order(shape, q: Tensor, dtype: torch.dtype) -> Tensor:
     """An empty tensor of ``shape`` laid out densely in q's order of dimensions (``dense_strides``):
-    the layout of the fused kernels' outputs, and of what the op returns (its fake says so too)."""
+    how the fused kernels lay out their outputs, and so fxmegatron's attention ops theirs; the
+    ops' fake implementations say the same (``tests/test_op_fakes.py``)."""
     return torch.empty_strided(tuple(shape), dense_strides(shape, q), dtype=dtype, device=q.device)
 
 

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from fxmegatron.ops.attention_blocks import block_backward, block_forward, dense_strides, like_q
+from fxmegatron.ops.attention_blocks import block_backward, block_forward, in_q_order, like_q
 
 
 def _scale(scale: Optional[float], q: Tensor) -> float:
@@ -34,14 +34,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional
     return like_q(out.to(q.dtype), q), lse.contiguous()
 
 
-def _strided(shape, q: Tensor) -> Tensor:
-    """An empty tensor of ``shape`` laid out as ``like_q`` lays out the real one."""
-    return q.new_empty_strided(shape, dense_strides(shape, q))
-
-
 @_attention.register_fake
 def _(q, k, v, is_causal, scale):
-    return _strided(q.shape[:-1] + v.shape[-1:], q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return in_q_order(q.shape[:-1] + v.shape[-1:], q, q.dtype), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fxmegatron::attention_backward", mutates_args=())
@@ -54,7 +49,7 @@ def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 
 @_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale):
-    return _strided(q.shape, q), _strided(k.shape, k), _strided(v.shape, v)
+    return in_q_order(q.shape, q, q.dtype), in_q_order(k.shape, k, k.dtype), in_q_order(v.shape, v, v.dtype)
 
 
 def _setup(ctx, inputs, output):

@@ -71,7 +71,8 @@ def gelu_backward_bias(dact: Tensor, pre: Tensor) -> Tuple[Tensor, Tensor]:
     """(dpre, db): the tanh GeLU's input gradient and its sum over rows, for 2-D dact, pre."""
     if pre.is_cuda:
         return gelu_tanh_backward_bias(dact.contiguous(), pre.contiguous(), TWO_SQRT_2_OVER_PI, CUBIC)
-    dpre = gelu_tanh_backward(dact, pre)
+    # dense, as the fake says (an elementwise result would take a transposed input's layout)
+    dpre = gelu_tanh_backward(dact, pre).contiguous()
     return dpre, dpre.sum(0)
 
 

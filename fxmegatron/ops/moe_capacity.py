@@ -38,7 +38,7 @@ def moe_capacity_keep(ids: Tensor, weights: Tensor, num_experts: int, capacity: 
 
 @moe_capacity_keep.register_fake
 def _(ids, weights, num_experts, capacity):
-    return torch.empty_like(weights)
+    return weights.new_empty(weights.shape)     # dense, as the body returns it, whatever weights' layout
 
 
 def _setup(ctx, inputs, output):
