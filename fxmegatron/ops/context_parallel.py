@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from fxmegatron.ops.attention_blocks import like_q
+from fxmegatron.ops.attention_blocks import in_q_order, like_q
 from fxmegatron.ops.collectives import all_reduce, reduce_from_tp
 from fxmegatron.ops.groups import communicator, resolve_group
 from fxmegatron.ops.registry import register
@@ -70,7 +70,6 @@ def _cp_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optio
 
 @_cp_attention.register_fake
 def _(q, k, v, is_causal, scale, group_name, cp, rank, variant):
-    from fxmegatron.ops.attention_blocks import in_q_order
     # the layouts run_forward gives: out in q's order of dimensions, lse dense
     return in_q_order(q.shape[:-1] + v.shape[-1:], q, q.dtype), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -91,7 +90,6 @@ def _cp_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 
 @_cp_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale, group_name, cp, rank, variant):
-    from fxmegatron.ops.attention_blocks import in_q_order
     # as run_backward computes them: dq in q's order of dimensions, dk and dv dense
     return in_q_order(q.shape, q, q.dtype), k.new_empty(k.shape), v.new_empty(v.shape)
 
