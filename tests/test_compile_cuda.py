@@ -48,3 +48,27 @@ def test_an_unaligned_vocabulary_compiled_is_the_uncompiled_program():
     out-of-place backward (``passes/loss_grad_in_place.py``). Before that rule the compiled
     gradients were wrong here on an H100 (42% of one gradient's elements)."""
     _same_gradients("gpt2", 2053, seeds=(1,))
+
+
+def test_cuda_graphs_with_cudnn_attention_is_compile_true():
+    """``compile="reduce-overhead"`` in bf16, where the attention's backward runs cuDNN on
+    fxmegatron's own thread (``ops/own_thread.py``), with dq of the same number of elements as
+    the MLP's weights (2·8·256·32 = 512·256), as in HF Llama-3.2-1B: inductor gives dq's dead
+    buffer to a weight's gradient, and unless the thread allocates into the graphs' pool the
+    graph tree refuses the step ("not allocated in pool"). Three steps: warm-up, recording,
+    replay; each the compile=True step's loss and gradients (bf16 rounding)."""
+    fam = FAMILIES["llama"]
+    model = fam.build(hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                      num_key_value_heads=4).cuda().to(torch.bfloat16)
+    cuda = lambda b: {k: v.cuda() for k, v in b.items()}     # noqa: E731
+    first = cuda(make_batch(fam, 0, seq=256))
+    graphs = fxmegatron.parallelize(copy.deepcopy(model), None, first, compile="reduce-overhead")
+    compiled = fxmegatron.parallelize(copy.deepcopy(model), None, first, compile=True)
+    for seed in (1, 2, 3):
+        b = cuda(make_batch(fam, seed, seq=256))
+        (l0, g0), (l1, g1) = _step(compiled, b), _step(graphs, b)
+        assert abs(l1 - l0) <= 1e-2 * abs(l0), (seed, l1, l0)
+        for k in g0:
+            torch.testing.assert_close(g1[k].float(), g0[k].float(), rtol=2e-2, atol=1e-3,
+                                       msg=lambda m: f"step {seed} {k}: {m}")
+        del g0, g1      # a graph's outputs are overwritten by its next replay
