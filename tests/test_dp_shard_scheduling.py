@@ -60,14 +60,18 @@ def test_the_users_choice_of_control_deps_is_left_to_inductor():
 def test_the_loss_grad_writes_over_the_logits_unless_control_deps_wrap_it():
     """Where the scheduler wraps the nodes it orders in control_deps, which cannot hold the
     in-place loss backward's auto_functionalized op, the pass that makes it in place is left
-    out; elsewhere (not scheduled, or scheduled without the wrappers) it stays."""
+    out and the loss's backward is stated as torch ops instead (inductor's in-place call);
+    elsewhere (not scheduled, or scheduled without the wrappers) the kernel's pass stays."""
     names = lambda **kw: [p.name for p in tp_passes(None, 1, 0, "", False, 0, **kw)]
     assert "loss_grad_reuses_logits" in names()
-    assert "loss_grad_reuses_logits" not in names(loss_grad_in_place=False)
+    assert "loss_grad_reuses_logits" not in names(loss_grad="graph")
+    assert "loss_grad_in_graph" in names(loss_grad="graph")
+    assert not {"loss_grad_reuses_logits", "loss_grad_in_graph"} & set(names(loss_grad="none"))
     cfg = Layout(dp=2, dp_shard="full", compile=True)
-    in_rank = lambda device: "loss_grad_reuses_logits" in [p.name for p in rank_passes(None, _axes(), cfg, device)]
-    assert in_rank("cpu")                                   # not scheduled
-    assert not in_rank("cuda")                              # scheduled, wrapped (inductor's default)
+    in_rank = lambda device: [p.name for p in rank_passes(None, _axes(), cfg, device)]    # noqa: E731
+    assert "loss_grad_reuses_logits" in in_rank("cpu")          # not scheduled
+    assert "loss_grad_in_graph" in in_rank("cuda")               # scheduled, wrapped (inductor's default)
+    assert "loss_grad_reuses_logits" not in in_rank("cuda")
     if HAS_DEPS_SETTING:
         with torch._inductor.config.patch({OVERLAP_DEPS: False}):
-            assert in_rank("cuda")
+            assert "loss_grad_reuses_logits" in in_rank("cuda")

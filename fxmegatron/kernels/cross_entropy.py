@@ -15,6 +15,11 @@ Only the logits (the lm_head's output, kept anyway) and two vectors of N are sav
 nothing else reads the logits (``reuse_logits``, set by ``passes.loss_grad_in_place`` where it
 proved that), the backward writes the gradient over them instead of into a new [N, V/t]
 tensor, as inductor reuses a dead input's buffer: one logits-sized tensor less at the peak.
+Where that mutating call cannot be compiled (inside the ``control_deps`` subgraphs of inductor's
+overlap scheduler, ``lower/overlap_scheduler.py``), ``grad_in_graph`` states the same backward as
+torch ops instead (``_grad_ops``): inductor fuses them into one kernel and, the logits being a
+donated buffer of the backward, may write it over them itself. Under compile only: eagerly those
+ops would make fp32 copies of the logits.
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ def _kernels():
 # trace the unfused fp32 form); ``group_name`` as in ``fxmegatron.ops.collectives``
 @torch.library.custom_op("fxmegatron::vocab_ce", mutates_args=())
 def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: str,
-             reuse_logits: bool = False) -> Tuple[Tensor, Tensor]:
+             reuse_logits: bool = False, grad_in_graph: bool = False) -> Tuple[Tensor, Tensor]:
     """(per-row losses, per-row log-sum-exp) of [N, V/t] logits split along the vocabulary."""
     from fxmegatron.ops.groups import communicator
     fwd, _ = _kernels()
@@ -91,7 +96,7 @@ def vocab_ce(logits: Tensor, local_target: Tensor, valid: Tensor, group_name: st
 
 
 @vocab_ce.register_fake
-def _(logits, local_target, valid, group_name, reuse_logits=False):
+def _(logits, local_target, valid, group_name, reuse_logits=False, grad_in_graph=False):
     n = logits.shape[0]
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
@@ -132,26 +137,38 @@ def vocab_ce_backward_(logits: Tensor, local_target: Tensor, lse: Tensor, g: Ten
                                             logits.stride(0), logits.stride(0), BV=_BV_BWD)
 
 
+def _grad_ops(logits: Tensor, local_target: Tensor, lse: Tensor, g: Tensor) -> Tensor:
+    """``vocab_ce_backward`` as torch ops (the kernel's formula), for inductor to fuse."""
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    one_hot = (cols == local_target.unsqueeze(-1)).to(torch.float32)
+    return ((torch.exp(logits.float() - lse.unsqueeze(-1)) - one_hot) * g.unsqueeze(-1)).to(logits.dtype)
+
+
 def _setup(ctx, inputs, output):
-    logits, local_target, valid, _, reuse = inputs
-    ctx.reuse = reuse and logits.stride(-1) == 1 and logits.is_contiguous()
+    logits, local_target, valid, _, reuse, in_graph = inputs
+    ctx.in_graph = in_graph
+    ctx.reuse = reuse and not in_graph and logits.stride(-1) == 1 and logits.is_contiguous()
     ctx.save_for_backward(logits, local_target, output[1], valid)
 
 
 def _backward(ctx, g, _g_lse):
     logits, local_target, lse, valid = ctx.saved_tensors
     g = g.float() * valid            # ignored tokens: no gradient
+    none = (None,) * 5
+    if ctx.in_graph:
+        return (_grad_ops(logits, local_target, lse, g),) + none
     if ctx.reuse:
         vocab_ce_backward_(logits, local_target, lse, g)
-        return logits, None, None, None, None
-    return vocab_ce_backward(logits, local_target, lse, g), None, None, None, None
+        return (logits,) + none
+    return (vocab_ce_backward(logits, local_target, lse, g),) + none
 
 
 vocab_ce.register_autograd(_backward, setup_context=_setup)
 
 
 def fused_vocab_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, group_name: str,
-                              ignore_index: int = -100, reuse_logits: bool = False) -> Tensor:
+                              ignore_index: int = -100, reuse_logits: bool = False,
+                              grad_in_graph: bool = False) -> Tensor:
     """Per-token losses (0 where ``target == ignore_index``), fp32; see the module doc."""
     local = target - vocab_start
     inside = (local >= 0) & (local < logits.shape[-1])
@@ -159,5 +176,6 @@ def fused_vocab_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, 
     # -1: not this rank's class (or ignored); the kernels then pick nothing and subtract no one-hot
     local = torch.where(inside & valid, local, torch.full_like(local, -1))
     v = logits.shape[-1]
-    loss, _ = vocab_ce(logits.reshape(-1, v), local.reshape(-1), valid.reshape(-1), group_name, reuse_logits)
+    loss, _ = vocab_ce(logits.reshape(-1, v), local.reshape(-1), valid.reshape(-1), group_name, reuse_logits,
+                       grad_in_graph)
     return loss.reshape(logits.shape[:-1])

@@ -7,8 +7,9 @@ pins that order by wrapping the nodes it moved in ``control_deps`` subgraphs
 (``aten_distributed_optimizations.insert_overlap_deps``, None meaning True). Those
 subgraphs cannot hold an ``auto_functionalized`` op (torch 2.11: "auto_functionalized_v2 is
 not an OpOverload", pytorch#182947), which the loss's in-place backward is
-(``passes.loss_grad_in_place``): where they are inserted, the loss's backward makes a new
-gradient tensor instead (``rank_passes``).
+(``passes.loss_grad_in_place``): where they are inserted, the loss's backward is stated as
+torch ops instead (``loss_grad_in_graph``), which inductor may write over the logits itself
+(``rank_passes``).
 
 The default is kept because it measured faster: on two H200 (Llama-3-8B shape, 32 layers)
 the wrappers kept exposed communication at 1% of the step (1.05× FSDP2), while without them

@@ -35,7 +35,7 @@ from fxmegatron.passes.fuse import apply_fuse
 from fxmegatron.passes.gelu_for_inductor import gelu_tanh_through_sigmoid
 from fxmegatron.passes.gelu_formula import gelu_formula_to_op
 from fxmegatron.passes.gemm_epilogues import apply_gemm_epilogues
-from fxmegatron.passes.loss_grad_in_place import loss_grad_reuses_logits
+from fxmegatron.passes.loss_grad_in_place import loss_grad_in_graph, loss_grad_reuses_logits
 from fxmegatron.passes.loss_terms import added_term, split_loss_problem
 from fxmegatron.passes.loss_upcast import loss_reads_logits_dtype
 from fxmegatron.passes.merge_linears import merge_linears
@@ -63,11 +63,12 @@ DP_SEED_STRIDE = 0x9E3779B1
 
 
 def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_parallel: bool,
-              seed: int, dp_rank: int = 0, loss_grad_in_place: bool = True) -> List[Pass]:
+              seed: int, dp_rank: int = 0, loss_grad: str = "kernel") -> List[Pass]:
     """The passes that make one tensor-parallel rank's graph from the captured one: placement
     planning and the rewrite with f/g and sequence collectives on ``group_name`` (the plan
-    and its coverage land in ``gm.meta``), and counter-based dropout. ``loss_grad_in_place``:
-    the loss's backward may write over the logits (``passes.loss_grad_in_place``)."""
+    and its coverage land in ``gm.meta``), and counter-based dropout. ``loss_grad``: how the
+    loss's backward may write over the logits (``passes.loss_grad_in_place``): "kernel" (the
+    fused kernel, where proved), "graph" (as torch ops, inductor's call), "none"."""
     def tensor_parallel(gm):
         plan = plan_tensor_parallel(gm, tp, cap.params.keys(), sequence_parallel)
         apply_tensor_parallel(gm, plan, tp_rank, group_name)
@@ -77,9 +78,11 @@ def tp_passes(cap: Captured, tp: int, tp_rank: int, group_name: str, sequence_pa
 
     passes = [Pass("tensor_parallel", tensor_parallel, ensures={"tp_rewritten"})]
     passes.append(Pass("loss_reads_logits_dtype", loss_reads_logits_dtype, requires={"tp_rewritten"}))
-    if loss_grad_in_place:
+    if loss_grad == "kernel":
         passes.append(Pass("loss_grad_reuses_logits", lambda gm: loss_grad_reuses_logits(gm, tp),
                            requires={"tp_rewritten"}))
+    elif loss_grad == "graph":
+        passes.append(Pass("loss_grad_in_graph", loss_grad_in_graph, requires={"tp_rewritten"}))
     passes.append(Pass("attention_rewrites", attention_rewrites, requires={"tp_rewritten"}))
     if tp == 1:
         passes.append(Pass("drop_trivial_collectives", drop_trivial_collectives, requires={"tp_rewritten"}))
@@ -209,10 +212,10 @@ def rank_passes(cap: Captured, axes: Mapping[str, Axis], cfg, device=None) -> Li
     passes += cp_passes(cap, axes.get("cp", Axis()), cfg.cp_attention)
     # where inductor's overlap scheduler pins its order in control_deps subgraphs, inductor (torch 2.11)
     # cannot lower a mutating custom op's auto_functionalized_v2 inside one: there the loss's backward
-    # writes a new gradient tensor rather than over the logits
+    # is stated as torch ops, which inductor may write over the logits itself
     wrapped = schedules_collectives(cfg, axes, device) and scheduler_wraps_nodes()
     passes += tp_passes(cap, tp.size, tp.rank, TP_AXIS, cfg.sequence_parallel, cfg.seed, axes["dp"].rank,
-                        loss_grad_in_place=not wrapped)
+                        loss_grad="graph" if wrapped else "kernel")
     passes += [
         Pass("localize", lambda gm: assemble_local(gm, cap, gm.meta[PLAN], tp.rank, tp.size, "meta"),
              requires={"tp_rewritten"}),

@@ -31,7 +31,7 @@ def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int,
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int,
                                  group_name: str, reduction: int = 1,
                                  ignore_index: int = -100, out_dtype: Optional[torch.dtype] = None,
-                                 reuse_logits: bool = False) -> Tensor:
+                                 reuse_logits: bool = False, grad_in_graph: bool = False) -> Tensor:
     """Cross-entropy over logits split along the class (last) dim.
 
     Three all-reduces of ``N`` numbers instead of gathering ``N x V`` logits:
@@ -40,14 +40,17 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     ``out_dtype``: the loss's dtype (default the logits'); ``passes.loss_upcast`` sets float32
     where the model upcast its logits only to compute this loss. ``reuse_logits``: nothing else
     reads the logits (``passes.loss_grad_in_place`` proved it), so the fused kernel's backward
-    may write their gradient over them.
+    may write their gradient over them. ``grad_in_graph``: the fused kernel's backward as torch
+    ops in the compiled graph instead, which inductor may write over the logits itself
+    (``kernels/cross_entropy.py`` says where).
     """
     out_dtype = out_dtype or logits.dtype
     from fxmegatron.codegen.where_kernels_run import kernels_in_compiled_graph, kernels_run
     # a real GPU tensor, the interpreter, or torch.compile tracing for either (the op stays a call)
     if kernels_run(logits) or kernels_in_compiled_graph(logits):
         from fxmegatron.kernels.cross_entropy import fused_vocab_cross_entropy
-        loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index, reuse_logits)
+        loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index, reuse_logits,
+                                         grad_in_graph and kernels_in_compiled_graph(logits))
         return _reduce(loss, target != ignore_index, reduction, out_dtype)
     logits = logits.float()    # softmax statistics in fp32 whatever the model's dtype, as Megatron does
     shift = all_reduce_max(logits.detach().amax(-1), group_name)

@@ -24,6 +24,12 @@ misaligned rows. With HF GPT-2's vocabulary of 50257 the gradients were wrong on
 ``pad_mm`` forced. An unaligned row keeps the out-of-place backward, which reads the logits
 as they are. Autograd's version counter still guards a second backward
 through the same graph (``retain_graph``): it raises instead of reading overwritten logits.
+
+Where the compiled graph cannot hold that mutating call (inside the ``control_deps`` subgraphs
+of inductor's overlap scheduler, ``lower/overlap_scheduler.py``), ``loss_grad_in_graph`` marks
+every loss ``grad_in_graph`` instead: the backward as torch ops, which inductor fuses and may
+write over the logits itself when they are a dead, donated buffer. No precondition: the ops
+are functional, and whether to write in place is inductor's call on liveness.
 """
 from __future__ import annotations
 
@@ -76,4 +82,14 @@ def loss_grad_reuses_logits(gm: fx.GraphModule, tp: int = 1) -> int:
             if len(n.args) <= 7 and _only_reader(n) and _aligned_rows(n, tp):
                 n.kwargs = {**n.kwargs, "reuse_logits": True}
                 done += 1
+    return done
+
+
+def loss_grad_in_graph(gm: fx.GraphModule) -> int:
+    """Mark every loss ``grad_in_graph=True`` (the module doc says when); returns how many."""
+    done = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is vocab_parallel_cross_entropy and not n.kwargs.get("grad_in_graph"):
+            n.kwargs = {**n.kwargs, "grad_in_graph": True, "reuse_logits": False}
+            done += 1
     return done
