@@ -77,7 +77,7 @@ def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 
 
 def kernel_cross_entropy(logits, target, vocab_start: int, group_name: str, reduction: int = 1,
-                         ignore_index: int = -100, out_dtype=None, reuse_logits=False):
+                         ignore_index: int = -100, out_dtype=None, reuse_logits=False, grad_in_graph=False):
     """``vocab_parallel_cross_entropy`` as its kernel runs it. Only the count of saved bytes is
     read on meta, and the reduction of the per-token losses keeps no tensor of any size."""
     loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index)
