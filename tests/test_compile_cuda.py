@@ -54,8 +54,8 @@ def test_cuda_graphs_with_cudnn_attention_is_compile_true():
     """``compile="reduce-overhead"`` in bf16, where the attention's backward runs cuDNN on
     fxmegatron's own thread (``ops/own_thread.py``), with dq of the same number of elements as
     the MLP's weights (2·8·256·32 = 512·256), as in HF Llama-3.2-1B: inductor gives dq's dead
-    buffer to a weight's gradient, and unless the thread allocates into the graphs' pool the
-    graph tree refuses the step ("not allocated in pool"). Three steps: warm-up, recording,
+    buffer to a weight's gradient, and unless the thread's results are copied onto the caller's
+    thread during the warm-up the graph tree refuses the step ("not allocated in pool"). Three steps: warm-up, recording,
     replay; each the compile=True step's loss and gradients (bf16 rounding)."""
     fam = FAMILIES["llama"]
     model = fam.build(hidden_size=256, intermediate_size=512, num_attention_heads=8,

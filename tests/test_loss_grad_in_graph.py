@@ -80,26 +80,30 @@ def test_the_pass_marks_every_loss_and_not_the_kernels_in_place_form():
     assert loss_grad_in_graph(gm) == 0
 
 
-def test_a_compiled_model_with_the_gradient_in_graph_is_the_kernels(monkeypatch):
-    """A whole program (HF Llama, fp32, compile=True) built as under the scheduler's wrappers
-    (``rank_passes.schedules_collectives`` answered True; on CPU the scheduler itself does not
-    run): the loss node asks for the graph form, and the step's loss and every gradient are the
-    kernel form's."""
+@pytest.mark.parametrize("family,kw", [("llama", {}), ("gpt2", {}), ("qwen2", {"microbatches": 2})])
+def test_a_compiled_model_with_the_gradient_in_graph_is_the_kernels(family, kw, monkeypatch):
+    """A whole program (fp32, compile=True; HF Llama, GPT-2 with its tied embedding, Qwen2 split
+    into two microbatches, the first with no counted label) built as under the scheduler's
+    wrappers (``rank_passes.schedules_collectives`` answered True; on CPU the scheduler itself
+    does not run): the loss node asks for the graph form, and the step's loss and every gradient
+    are the kernel form's."""
     import copy
 
     import fxmegatron
     import fxmegatron.lower.rank_passes as rank_passes
     from tests.families import FAMILIES, make_batch
-    fam = FAMILIES["llama"]
+    fam = FAMILIES[family]
     model = fam.build()
     batch = make_batch(fam, seed=5, batch_size=4)
     batch["labels"][0, :3] = -100
+    if kw.get("microbatches"):
+        batch["labels"][:2] = -100      # the first microbatch counts nothing
     runs = []
     for wrapped in (False, True):
         with monkeypatch.context() as mp:
             mp.setattr(rank_passes, "schedules_collectives", lambda *a: wrapped)
             mp.setattr(rank_passes, "scheduler_wraps_nodes", lambda: wrapped)
-            pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, compile=True)
+            pm = fxmegatron.parallelize(copy.deepcopy(model), None, batch, compile=True, **kw)
         ce = [n for n in pm.graph_module.graph.nodes if n.target is vocab_parallel_cross_entropy]
         assert [bool(n.kwargs.get("grad_in_graph")) for n in ce] == [wrapped]
         loss = pm.train_step(batch)

@@ -3,6 +3,7 @@ worker's results onto the caller's thread during a graph's warm-up. Those are in
 internals: this checks, on any machine, that the names it reads are still there, so that a torch
 that moved them fails here rather than quietly bringing back the refused step
 (tests/test_compile_cuda.py runs the real case on a GPU)."""
+import contextlib
 import inspect
 
 import torch
@@ -29,9 +30,15 @@ def test_outside_a_graph_tree_nothing_is_copied_or_created():
     assert containers == before
 
 
-def test_results_are_copied_on_the_callers_thread():
+def test_in_a_warmup_results_are_copied_on_the_callers_thread(monkeypatch):
+    """``on_own_thread``'s copy step, its worker replaced by a plain call (no CUDA here)."""
+    import concurrent.futures
     a, b = torch.arange(3.0), torch.ones(2)
-    out = own_thread._on_caller((a, [b, None], 7))
-    assert torch.equal(out[0], a) and out[0].data_ptr() != a.data_ptr()
-    assert torch.equal(out[1][0], b) and out[1][0].data_ptr() != b.data_ptr()
-    assert out[1][1] is None and out[2] == 7
+    monkeypatch.setattr(own_thread, "_worker", lambda index: concurrent.futures.ThreadPoolExecutor(1))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    for warm in (False, True):
+        monkeypatch.setattr(own_thread, "_in_graph_warmup", lambda index, stream: warm)
+        out = own_thread.on_own_thread(lambda: (a, [b, None], 7), torch.device("cuda", 0))
+        assert torch.equal(out[0], a) and torch.equal(out[1][0], b) and out[1][1] is None and out[2] == 7
+        assert (out[0].data_ptr() != a.data_ptr()) is warm and (out[1][0].data_ptr() != b.data_ptr()) is warm

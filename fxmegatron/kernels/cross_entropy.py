@@ -147,7 +147,7 @@ def _grad_ops(logits: Tensor, local_target: Tensor, lse: Tensor, g: Tensor) -> T
 def _setup(ctx, inputs, output):
     logits, local_target, valid, _, reuse, in_graph = inputs
     ctx.in_graph = in_graph
-    ctx.reuse = reuse and not in_graph and logits.stride(-1) == 1 and logits.is_contiguous()
+    ctx.reuse = reuse and logits.stride(-1) == 1 and logits.is_contiguous()
     ctx.save_for_backward(logits, local_target, output[1], valid)
 
 

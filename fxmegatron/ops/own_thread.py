@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 import torch
+import torch.utils._pytree as pytree
 
 T = TypeVar("T")
 
@@ -53,14 +54,6 @@ def _in_graph_warmup(index: int, stream) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def _on_caller(x):
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_on_caller(v) for v in x)
-    return x
-
-
 def on_own_thread(fn: Callable[[], T], device: torch.device) -> T:
     """``fn()`` run on fxmegatron's thread for ``device`` (a CUDA device), on the stream that is
     current here, so it is ordered with the caller's work as if called in place; in a CUDA-graph
@@ -72,4 +65,6 @@ def on_own_thread(fn: Callable[[], T], device: torch.device) -> T:
         with torch.cuda.stream(stream):
             return fn()
     out = _worker(index).submit(call).result()
-    return _on_caller(out) if _in_graph_warmup(index, stream) else out
+    if _in_graph_warmup(index, stream):     # copies made here, on the caller's thread
+        return pytree.tree_map_only(torch.Tensor, torch.clone, out)
+    return out

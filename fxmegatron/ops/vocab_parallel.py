@@ -47,10 +47,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     out_dtype = out_dtype or logits.dtype
     from fxmegatron.codegen.where_kernels_run import kernels_in_compiled_graph, kernels_run
     # a real GPU tensor, the interpreter, or torch.compile tracing for either (the op stays a call)
-    if kernels_run(logits) or kernels_in_compiled_graph(logits):
+    compiled = kernels_in_compiled_graph(logits)
+    if compiled or kernels_run(logits):
         from fxmegatron.kernels.cross_entropy import fused_vocab_cross_entropy
         loss = fused_vocab_cross_entropy(logits, target, vocab_start, group_name, ignore_index, reuse_logits,
-                                         grad_in_graph and kernels_in_compiled_graph(logits))
+                                         grad_in_graph and compiled)
         return _reduce(loss, target != ignore_index, reduction, out_dtype)
     logits = logits.float()    # softmax statistics in fp32 whatever the model's dtype, as Megatron does
     shift = all_reduce_max(logits.detach().amax(-1), group_name)
